@@ -1,0 +1,656 @@
+/* The central heap: two-level segregated fit over caller-provided pools (see sp_tlsf.h).
+ *
+ * Every block starts with a 16-byte header; the payload follows. Physical neighbours are
+ * found through the size (next) and the always-valid prev_phys pointer (previous); free
+ * blocks also sit on a doubly linked list per size class, the links stored in their payload.
+ * Two bitmaps say which lists are non-empty, so finding a fitting block is two bit scans.
+ *
+ *   pool:  [hdr|payload][hdr|payload] ... [hdr|payload][sentinel hdr]
+ *   hdr:   prev_phys | tag:16 size:44 flags:4
+ */
+#include "sp_tlsf.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#include "sp_internal.h"
+#include "sp_platform.h"
+#include "track.h"
+
+/* ---- geometry ------------------------------------------------------------------------------
+ * Sizes below SMALL_LIMIT map linearly (fl 0, one class per 16 bytes). Above, fl is the bit
+ * length and sl splits each power of two into SL_COUNT classes: at most 1/32 slack. */
+enum {
+    ALIGN_LOG2 = 4,
+    ALIGN = 1 << ALIGN_LOG2,
+    SL_LOG2 = 5,
+    SL_COUNT = 1 << SL_LOG2,
+    FL_SHIFT = SL_LOG2 + ALIGN_LOG2,
+    SMALL_LIMIT = 1 << FL_SHIFT,
+    FL_COUNT = 40 - FL_SHIFT + 1, /* block sizes below 2^40 */
+    HEADER = 16,
+    MIN_PAYLOAD = 16,              /* room for the two free-list links */
+    MIN_BLOCK = HEADER + MIN_PAYLOAD,
+};
+
+#define FLAG_FREE ((uint64_t)1)
+#define FLAG_PREV_FREE ((uint64_t)2)
+#define SIZE_MASK ((((uint64_t)1 << 48) - 1) & ~(uint64_t)(ALIGN - 1))
+#define TAG_MASK (~(((uint64_t)1 << 48) - 1))
+#define DEAD_MARK ((uint64_t)0xDEAD << 48)
+#define MAX_ALIGN ((size_t)1 << 30)
+
+_Static_assert(FL_COUNT <= 32, "fl bitmap is 32 bits");
+_Static_assert(SP_TLSF_MAX_BLOCK < ((size_t)1 << 40), "largest block must map below FL_COUNT");
+
+typedef struct block block;
+struct block {
+    block *prev_phys;    /* physical predecessor in the pool; NULL for a pool's first block */
+    uint64_t size_flags; /* tag | payload size | FLAG_* */
+    /* payload; while the block is free it starts with: */
+    block *next_free;
+    block *prev_free;
+};
+
+typedef struct pool_range {
+    uintptr_t lo, hi; /* first header .. end of the sentinel header */
+} pool_range;
+
+struct sp_tlsf {
+    uint32_t fl_bitmap;
+    uint32_t sl_bitmap[FL_COUNT];
+    block *heads[FL_COUNT][SL_COUNT];
+
+    /* status, kept exact on every operation */
+    size_t bytes_used, bytes_free, live_blocks, free_blocks, high_water, bytes_total;
+
+    uint64_t secret; /* per-heap salt of the header tags */
+    size_t pool_count;
+    pool_range pools[SP_TLSF_MAX_POOLS];
+    sp_mutex lock;
+    bool locked;
+    const char *name;
+};
+
+/* ---- headers ------------------------------------------------------------------------------
+ * Invariants: a header's tag is tag_of(its address); prev_phys is valid for every block;
+ * FLAG_PREV_FREE mirrors the predecessor's FLAG_FREE; no two free blocks are neighbours. */
+
+TRACK_INTERNAL SP_INLINE uint64_t tag_of(const sp_tlsf *t, const block *b) {
+    return (((uint64_t)(uintptr_t)b ^ t->secret) * 0x9E3779B97F4A7C15ull) & TAG_MASK;
+}
+TRACK_INTERNAL SP_INLINE size_t block_size(const block *b) { return b->size_flags & SIZE_MASK; }
+TRACK_INTERNAL SP_INLINE bool block_is_free(const block *b) { return b->size_flags & FLAG_FREE; }
+TRACK_INTERNAL SP_INLINE bool block_prev_is_free(const block *b) {
+    return b->size_flags & FLAG_PREV_FREE;
+}
+TRACK_INTERNAL SP_INLINE void *block_payload(const block *b) { return (char *)b + HEADER; }
+TRACK_INTERNAL SP_INLINE block *block_of(const void *p) { return (block *)((char *)p - HEADER); }
+TRACK_INTERNAL SP_INLINE block *block_next(const block *b) {
+    return (block *)((char *)b + HEADER + block_size(b));
+}
+TRACK_INTERNAL SP_INLINE void block_set_size(block *b, size_t size) {
+    b->size_flags = (b->size_flags & ~SIZE_MASK) | size;
+}
+TRACK_INTERNAL SP_INLINE void block_init(const sp_tlsf *t, block *b, block *prev, size_t size,
+                                         uint64_t flags) {
+    b->prev_phys = prev;
+    b->size_flags = tag_of(t, b) | size | flags;
+}
+/* A header swallowed by a merge: marked so a later free of its payload reads as double free. */
+TRACK_INTERNAL SP_INLINE void block_kill(const sp_tlsf *t, block *b) {
+    b->size_flags = tag_of(t, b) ^ DEAD_MARK;
+}
+/* Tell the successor of b that b is now free (or not), and who its predecessor is. */
+TRACK_INTERNAL SP_INLINE void block_link_next(block *b, bool b_free) {
+    block *next = block_next(b);
+    next->prev_phys = b;
+    next->size_flags = (next->size_flags & ~FLAG_PREV_FREE) | (b_free ? FLAG_PREV_FREE : 0);
+}
+
+/* ---- size classes ------------------------------------------------------------------------ */
+
+TRACK_INTERNAL SP_INLINE unsigned bit_high(uint64_t x) { return 63u - (unsigned)__builtin_clzll(x); }
+
+TRACK_INTERNAL SP_INLINE void mapping_insert(size_t size, unsigned *fl, unsigned *sl) {
+    if (size < SMALL_LIMIT) {
+        *fl = 0;
+        *sl = (unsigned)(size >> ALIGN_LOG2);
+    } else {
+        unsigned f = bit_high(size);
+        *sl = (unsigned)(size >> (f - SL_LOG2)) ^ SL_COUNT;
+        *fl = f - (FL_SHIFT - 1);
+    }
+}
+
+/* The class whose every block is at least `size`: round up to the next class boundary. */
+TRACK_INTERNAL SP_INLINE void mapping_search(size_t size, unsigned *fl, unsigned *sl) {
+    if (size >= SMALL_LIMIT) size += ((size_t)1 << (bit_high(size) - SL_LOG2)) - 1;
+    mapping_insert(size, fl, sl);
+}
+
+/* Bytes of payload for a request: at least MIN_PAYLOAD, a multiple of ALIGN. The caller has
+ * checked size <= SP_TLSF_MAX_BLOCK, so this cannot overflow. */
+TRACK_INTERNAL SP_INLINE size_t adjust_size(size_t size) {
+    return size <= MIN_PAYLOAD ? MIN_PAYLOAD : sp_align_up(size, ALIGN);
+}
+
+/* ---- free lists ----------------------------------------------------------------------------
+ * LIFO lists. Only non-head entries keep a valid prev_free: popping the head (the common
+ * case, in malloc) then never touches its successor's cache line. A block is the head of
+ * its list iff heads[fl][sl] points at it. */
+
+TRACK_INTERNAL SP_INLINE void list_insert(sp_tlsf *t, block *b) {
+    unsigned fl, sl;
+    size_t size = block_size(b);
+    mapping_insert(size, &fl, &sl);
+    block *head = t->heads[fl][sl];
+    b->next_free = head;
+    if (head) head->prev_free = b;
+    t->heads[fl][sl] = b;
+    t->fl_bitmap |= 1u << fl;
+    t->sl_bitmap[fl] |= 1u << sl;
+    t->bytes_free += size;
+    t->free_blocks++;
+}
+
+TRACK_INTERNAL SP_INLINE void list_remove(sp_tlsf *t, block *b) {
+    unsigned fl, sl;
+    size_t size = block_size(b);
+    mapping_insert(size, &fl, &sl);
+    block *next = b->next_free;
+    if (t->heads[fl][sl] == b) {
+        t->heads[fl][sl] = next;
+        if (!next) {
+            t->sl_bitmap[fl] &= ~(1u << sl);
+            if (!t->sl_bitmap[fl]) t->fl_bitmap &= ~(1u << fl);
+        }
+    } else {
+        block *prev = b->prev_free;
+        prev->next_free = next;
+        if (next) next->prev_free = prev;
+    }
+    t->bytes_free -= size;
+    t->free_blocks--;
+}
+
+/* The listed free block b takes a new size. It changes lists only if its class changes:
+ * growing a large free block by a merge, or carving an allocation off its end, usually
+ * touches no list at all. */
+TRACK_INTERNAL SP_INLINE void list_resize(sp_tlsf *t, block *b, size_t size) {
+    unsigned fl, sl, nfl, nsl;
+    mapping_insert(block_size(b), &fl, &sl);
+    mapping_insert(size, &nfl, &nsl);
+    if (fl == nfl && sl == nsl) {
+        t->bytes_free = t->bytes_free - block_size(b) + size;
+        block_set_size(b, size);
+        return;
+    }
+    list_remove(t, b);
+    block_set_size(b, size);
+    list_insert(t, b);
+}
+
+/* A free block with payload >= size, or NULL. Two bit scans and, if the rounded class is
+ * empty, one look at the head of the exact class (so a request as large as the largest free
+ * block still succeeds). */
+TRACK_INTERNAL SP_INLINE block *list_find(sp_tlsf *t, size_t size) {
+    unsigned fl, sl;
+    mapping_search(size, &fl, &sl);
+    if (SP_LIKELY(fl < FL_COUNT)) {
+        uint32_t sl_map = t->sl_bitmap[fl] & (~0u << sl);
+        if (!sl_map) {
+            uint32_t fl_map = fl + 1 < 32 ? t->fl_bitmap & (~0u << (fl + 1)) : 0;
+            if (fl_map) {
+                fl = (unsigned)__builtin_ctz(fl_map);
+                sl_map = t->sl_bitmap[fl];
+            }
+        }
+        if (sl_map) return t->heads[fl][(unsigned)__builtin_ctz(sl_map)];
+    }
+    mapping_insert(size, &fl, &sl);
+    block *b = fl < FL_COUNT ? t->heads[fl][sl] : NULL;
+    return b && block_size(b) >= size ? b : NULL;
+}
+
+/* ---- block surgery ------------------------------------------------------------------------- */
+
+/* b is in use (or becoming so) with payload >= want. Cut what lies beyond `want` into a free
+ * block if it can hold one, merging it with a free successor, and leave b's successor
+ * correctly linked and flagged either way. */
+TRACK_INTERNAL static void block_trim_tail(sp_tlsf *t, block *b, size_t want) {
+    size_t size = block_size(b);
+    if (size - want < MIN_BLOCK) {
+        block_link_next(b, false);
+        return;
+    }
+    block *next = block_next(b);
+    block_set_size(b, want);
+    block *rest = block_next(b);
+    size_t rest_size = size - want - HEADER;
+    if (block_is_free(next)) {
+        list_remove(t, next);
+        rest_size += HEADER + block_size(next);
+        block_kill(t, next);
+    }
+    block_init(t, rest, b, rest_size, FLAG_FREE);
+    block_link_next(rest, true);
+    list_insert(t, rest);
+}
+
+/* Hand the free, unlisted block b to the user with `want` payload bytes. */
+TRACK_INTERNAL SP_INLINE void *block_use(sp_tlsf *t, block *b, size_t want) {
+    b->size_flags &= ~FLAG_FREE;
+    block_trim_tail(t, b, want);
+    size_t size = block_size(b);
+    t->bytes_used += size;
+    t->live_blocks++;
+    if (t->bytes_used > t->high_water) t->high_water = t->bytes_used;
+    track_malloc(block_payload(b), size, 0);
+    return block_payload(b);
+}
+
+/* Return the live block b to the free lists, merging with free neighbours. */
+TRACK_INTERNAL static void block_release(sp_tlsf *t, block *b) {
+    size_t size = block_size(b);
+    t->bytes_used -= size;
+    t->live_blocks--;
+    track_free(block_payload(b), size);
+    block *next = block_next(b);
+    if (block_is_free(next)) {
+        block *after = block_next(next);
+        list_remove(t, next);
+        size += HEADER + block_size(next);
+        block_kill(t, next);
+        next = after;
+    }
+    if (block_prev_is_free(b)) {
+        block *prev = b->prev_phys;
+        block_kill(t, b);
+        b = prev;
+        list_resize(t, b, block_size(b) + HEADER + size);
+    } else {
+        b->size_flags |= FLAG_FREE;
+        block_set_size(b, size);
+        list_insert(t, b);
+    }
+    next->prev_phys = b;
+    next->size_flags |= FLAG_PREV_FREE;
+}
+
+/* ---- validation of caller pointers ----------------------------------------------------------
+ * O(pools) + two header reads, in every build. The header must carry this heap's tag for its
+ * address and its successor must point back at it: an interior pointer into user data passes
+ * both only by a 2^-16 chance times an exact pointer match. */
+
+typedef struct verdict {
+    sp_result id;
+    const char *why;
+    block *b;
+} verdict;
+
+TRACK_INTERNAL static const pool_range *pool_of(const sp_tlsf *t, const void *p) {
+    uintptr_t a = (uintptr_t)p;
+    for (size_t i = 0; i < t->pool_count; i++)
+        if (a >= t->pools[i].lo && a < t->pools[i].hi) return &t->pools[i];
+    return NULL;
+}
+
+TRACK_INTERNAL static verdict block_check_live(const sp_tlsf *t, const void *p) {
+    verdict v = {SP_OK, NULL, NULL};
+    const pool_range *pool = pool_of(t, p);
+    uintptr_t a = (uintptr_t)p;
+    if (!pool) return (verdict){SP_ERR_FOREIGN_POINTER, "pointer is not inside this heap", NULL};
+    if ((a & (ALIGN - 1)) || a < pool->lo + HEADER || a + HEADER > pool->hi)
+        return (verdict){SP_ERR_INVALID_POINTER, "misaligned pointer: not a block start", NULL};
+    block *b = block_of(p);
+    uint64_t sf = b->size_flags, tag = tag_of(t, b);
+    if ((sf & TAG_MASK) != tag) {
+        if (sf == (tag ^ DEAD_MARK))
+            return (verdict){SP_ERR_DOUBLE_FREE, "block was already freed (and merged)", NULL};
+        return (verdict){SP_ERR_INVALID_POINTER, "not the start of a block (interior pointer?)",
+                         NULL};
+    }
+    if (sf & FLAG_FREE) return (verdict){SP_ERR_DOUBLE_FREE, "block is already free", NULL};
+    size_t size = sf & SIZE_MASK;
+    if (size > pool->hi - a - HEADER || block_next(b)->prev_phys != b)
+        return (verdict){SP_ERR_INVALID_POINTER, "header does not match its neighbour", NULL};
+    v.b = b;
+    return v;
+}
+
+/* ---- locking ------------------------------------------------------------------------------- */
+
+TRACK_INTERNAL SP_INLINE void heap_lock(sp_tlsf *t) {
+    if (t->locked) sp_mutex_lock(&t->lock);
+    track_enter();
+}
+TRACK_INTERNAL SP_INLINE void heap_unlock(sp_tlsf *t) {
+    track_leave();
+    if (t->locked) sp_mutex_unlock(&t->lock);
+}
+
+SP_COLD static void report(const sp_tlsf *t, const char *call, const void *p, verdict v) {
+    sp_misuse(v.id, call, p, "%s (heap '%s')", v.why, t->name ? t->name : "tlsf");
+}
+
+/* ---- pools --------------------------------------------------------------------------------- */
+
+size_t sp_tlsf_control_size(void) { return sp_align_up(sizeof(sp_tlsf), ALIGN); }
+
+TRACK_INTERNAL static sp_result pool_add(sp_tlsf *t, void *memory, size_t size, const char *call) {
+    if (!memory) return sp_misuse(SP_ERR_INVALID_ARG, call, memory, "NULL pool memory");
+    uintptr_t lo = sp_align_up((uintptr_t)memory, ALIGN);
+    uintptr_t end = (uintptr_t)memory + size;
+    if (end < (uintptr_t)memory) return sp_misuse(SP_ERR_OVERFLOW, call, memory, "pool wraps");
+    uintptr_t hi = sp_align_down(end, ALIGN);
+    if (hi <= lo || hi - lo < 2 * HEADER + MIN_PAYLOAD) {
+        sp_log(SP_LOG_WARN, SP_ERR_TOO_SMALL, call, memory, "pool of %zu bytes is too small", size);
+        return SP_ERR_TOO_SMALL;
+    }
+    size_t payload = hi - lo - 2 * HEADER;
+    if (payload > SP_TLSF_MAX_BLOCK)
+        return sp_misuse(SP_ERR_INVALID_ARG, call, memory, "pool larger than SP_TLSF_MAX_BLOCK");
+    for (size_t i = 0; i < t->pool_count; i++)
+        if (lo < t->pools[i].hi && t->pools[i].lo < hi)
+            return sp_misuse(SP_ERR_INVALID_ARG, call, memory, "pool overlaps an existing pool");
+    if (t->pool_count == SP_TLSF_MAX_POOLS) {
+        sp_log(SP_LOG_WARN, SP_ERR_LIMIT, call, memory, "pool table full (%d)", SP_TLSF_MAX_POOLS);
+        return SP_ERR_LIMIT;
+    }
+    track_pool((void *)lo, hi - lo);
+    block *first = (block *)lo;
+    block_init(t, first, NULL, payload, FLAG_FREE);
+    block *sentinel = block_next(first);
+    block_init(t, sentinel, first, 0, FLAG_PREV_FREE);
+    list_insert(t, first);
+    t->pools[t->pool_count++] = (pool_range){lo, hi};
+    t->bytes_total += hi - lo;
+    return SP_OK;
+}
+
+sp_tlsf *sp_tlsf_create(const sp_tlsf_desc *desc, sp_result *err) {
+    sp_result r = SP_OK;
+    sp_tlsf *t = NULL;
+    if (!desc || !desc->memory) {
+        r = sp_misuse(SP_ERR_INVALID_ARG, "sp_tlsf_create", desc, "NULL desc or desc->memory");
+        goto out;
+    }
+    uintptr_t base = sp_align_up((uintptr_t)desc->memory, ALIGN);
+    size_t skew = base - (uintptr_t)desc->memory, control = sp_tlsf_control_size();
+    if (desc->size < skew + control) {
+        sp_log(SP_LOG_WARN, SP_ERR_TOO_SMALL, "sp_tlsf_create", desc->memory,
+               "%zu bytes cannot hold the control structure (%zu)", desc->size, control);
+        r = SP_ERR_TOO_SMALL;
+        goto out;
+    }
+    t = (sp_tlsf *)base;
+    memset(t, 0, sizeof *t);
+    t->locked = desc->locked;
+    t->name = desc->name;
+    t->secret = ((uint64_t)base * 0xD6E8FEB86659FD93ull) ^ sp_ticks();
+    t->bytes_total = control;
+    r = pool_add(t, (char *)base + control, desc->size - skew - control, "sp_tlsf_create");
+    if (r != SP_OK) t = NULL;
+out:
+    if (err) *err = r;
+    return t;
+}
+
+size_t sp_tlsf_destroy(sp_tlsf *t) {
+    if (!t) return 0;
+    size_t live = t->live_blocks;
+    /* The memory goes back to the caller: make it plainly accessible again. */
+    for (size_t i = 0; i < t->pool_count; i++)
+        track_release((void *)t->pools[i].lo, t->pools[i].hi - t->pools[i].lo);
+    memset(t, 0, sizeof *t);
+    return live;
+}
+
+sp_result sp_tlsf_add_pool(sp_tlsf *t, void *memory, size_t size) {
+    heap_lock(t);
+    sp_result r = pool_add(t, memory, size, "sp_tlsf_add_pool");
+    heap_unlock(t);
+    return r;
+}
+
+/* ---- allocation ---------------------------------------------------------------------------- */
+
+/* Carve `want` bytes off the end of the listed free block b. b keeps its header and, if its
+ * class does not change, its place in its list; the new block's successor learns its new
+ * predecessor. */
+TRACK_INTERNAL SP_INLINE void *block_carve_tail(sp_tlsf *t, block *b, size_t want) {
+    size_t rest = block_size(b) - want - HEADER;
+    list_resize(t, b, rest);
+    block *a = block_next(b);
+    block_init(t, a, b, want, FLAG_PREV_FREE);
+    block_link_next(a, false);
+    t->bytes_used += want;
+    t->live_blocks++;
+    if (t->bytes_used > t->high_water) t->high_water = t->bytes_used;
+    track_malloc(block_payload(a), want, 0);
+    return block_payload(a);
+}
+
+TRACK_INTERNAL static void *heap_malloc(sp_tlsf *t, size_t size) {
+    if (SP_UNLIKELY(size > SP_TLSF_MAX_BLOCK)) return NULL;
+    size_t want = adjust_size(size);
+    heap_lock(t);
+    void *p = NULL;
+    block *b = list_find(t, want);
+    if (SP_LIKELY(b)) {
+        if (block_size(b) - want >= MIN_BLOCK) {
+            p = block_carve_tail(t, b, want);
+        } else {
+            list_remove(t, b);
+            p = block_use(t, b, want);
+        }
+    }
+    heap_unlock(t);
+    return p;
+}
+
+void *sp_tlsf_malloc(sp_tlsf *t, size_t size) { return heap_malloc(t, size); }
+
+TRACK_INTERNAL void *sp_tlsf_aligned_alloc(sp_tlsf *t, size_t align, size_t size) {
+    if (!sp_is_pow2(align) || align > MAX_ALIGN) {
+        sp_misuse(SP_ERR_BAD_ALIGNMENT, "sp_tlsf_aligned_alloc", (void *)align,
+                  "alignment %zu is not a power of two up to %zu", align, MAX_ALIGN);
+        return NULL;
+    }
+    if (align <= ALIGN) return heap_malloc(t, size);
+    if (size > SP_TLSF_MAX_BLOCK - align - MIN_BLOCK) return NULL;
+    size_t want = adjust_size(size);
+    /* Room for the worst gap in front: a gap is either 0 or a whole free block (>= MIN_BLOCK). */
+    size_t search = want + align + MIN_BLOCK;
+    heap_lock(t);
+    void *p = NULL;
+    block *b = list_find(t, search);
+    if (b) {
+        list_remove(t, b);
+        uintptr_t start = (uintptr_t)block_payload(b);
+        uintptr_t at = sp_align_up(start, align);
+        if (at != start && at - start < MIN_BLOCK) at = sp_align_up(start + MIN_BLOCK, align);
+        if (at != start) {
+            /* Split the gap off as a free block; b's predecessor is in use (b was free). */
+            size_t gap = at - start, total = block_size(b);
+            block *aligned = block_of((void *)at);
+            block_set_size(b, gap - HEADER);
+            block_init(t, aligned, b, total - gap, 0);
+            list_insert(t, b);
+            block_link_next(b, true);
+            b = aligned;
+        }
+        p = block_use(t, b, want);
+    }
+    heap_unlock(t);
+    return p;
+}
+
+TRACK_INTERNAL void sp_tlsf_free(sp_tlsf *t, void *p) {
+    if (!p) return;
+    heap_lock(t);
+    verdict v = block_check_live(t, p);
+    if (SP_LIKELY(v.b)) block_release(t, v.b);
+    heap_unlock(t);
+    if (SP_UNLIKELY(!v.b)) report(t, "sp_tlsf_free", p, v);
+}
+
+/* Resize b in place to `want` payload bytes if it can be done without moving. */
+TRACK_INTERNAL static bool block_resize_in_place(sp_tlsf *t, block *b, size_t want) {
+    size_t old = block_size(b);
+    if (want > old) {
+        block *next = block_next(b);
+        if (!block_is_free(next) || old + HEADER + block_size(next) < want) return false;
+        list_remove(t, next);
+        block_set_size(b, old + HEADER + block_size(next));
+        block_kill(t, next);
+    }
+    block_trim_tail(t, b, want);
+    size_t now = block_size(b);
+    t->bytes_used = t->bytes_used - old + now;
+    if (t->bytes_used > t->high_water) t->high_water = t->bytes_used;
+    track_resize(block_payload(b), old, now);
+    return true;
+}
+
+TRACK_INTERNAL void *sp_tlsf_realloc(sp_tlsf *t, void *p, size_t size) {
+    if (!p) return heap_malloc(t, size);
+    if (size == 0) {
+        sp_tlsf_free(t, p);
+        return NULL;
+    }
+    heap_lock(t);
+    verdict v = block_check_live(t, p);
+    size_t old = v.b ? block_size(v.b) : 0;
+    bool done = v.b && size <= SP_TLSF_MAX_BLOCK && block_resize_in_place(t, v.b, adjust_size(size));
+    heap_unlock(t);
+    if (SP_UNLIKELY(!v.b)) {
+        report(t, "sp_tlsf_realloc", p, v);
+        return NULL;
+    }
+    if (done) return p;
+    /* Move. p stays the caller's until the copy is made, so no lock is needed across it. */
+    void *q = heap_malloc(t, size);
+    if (!q) return NULL;
+    memcpy(q, p, old < size ? old : size);
+    sp_tlsf_free(t, p);
+    return q;
+}
+
+TRACK_INTERNAL size_t sp_tlsf_usable_size(sp_tlsf *t, const void *p) {
+    if (!p) return 0;
+    heap_lock(t);
+    verdict v = block_check_live(t, p);
+    size_t size = v.b ? block_size(v.b) : 0;
+    heap_unlock(t);
+    if (!v.b) report(t, "sp_tlsf_usable_size", p, v);
+    return size;
+}
+
+bool sp_tlsf_owns(const sp_tlsf *t, const void *p) { return t && pool_of(t, p) != NULL; }
+
+/* ---- status, walk, check ------------------------------------------------------------------- */
+
+TRACK_INTERNAL void sp_tlsf_status_get(sp_tlsf *t, sp_tlsf_status *out) {
+    heap_lock(t);
+    size_t largest = 0;
+    if (t->fl_bitmap) {
+        unsigned fl = bit_high(t->fl_bitmap);
+        largest = block_size(t->heads[fl][bit_high(t->sl_bitmap[fl])]);
+    }
+    *out = (sp_tlsf_status){
+        .bytes_used = t->bytes_used,
+        .bytes_free = t->bytes_free,
+        .bytes_overhead = t->bytes_total - t->bytes_used - t->bytes_free,
+        .largest_free = largest,
+        .live_blocks = t->live_blocks,
+        .free_blocks = t->free_blocks,
+        .high_water = t->high_water,
+        .fragmentation = t->bytes_free ? 1.0 - (double)largest / (double)t->bytes_free : 0.0,
+        .pool_count = t->pool_count,
+    };
+    heap_unlock(t);
+}
+
+TRACK_INTERNAL void sp_tlsf_walk(sp_tlsf *t, sp_tlsf_walker fn, void *user) {
+    heap_lock(t);
+    for (size_t i = 0; i < t->pool_count; i++) {
+        block *end = (block *)(t->pools[i].hi - HEADER);
+        for (block *b = (block *)t->pools[i].lo; b < end; b = block_next(b)) {
+            track_leave();
+            fn(user, block_payload(b), block_size(b), !block_is_free(b));
+            track_enter();
+        }
+    }
+    heap_unlock(t);
+}
+
+#define CHECK(cond, addr, ...)                                                  \
+    do {                                                                        \
+        if (SP_UNLIKELY(!(cond))) {                                             \
+            bad = (addr);                                                       \
+            snprintf(why, sizeof why, __VA_ARGS__);                             \
+            goto fail;                                                          \
+        }                                                                       \
+    } while (0)
+
+TRACK_INTERNAL sp_result sp_tlsf_check(sp_tlsf *t) {
+    char why[160];
+    const void *bad = NULL;
+    size_t used = 0, free_bytes = 0, live = 0, free_count = 0;
+    heap_lock(t);
+    for (size_t i = 0; i < t->pool_count; i++) {
+        block *end = (block *)(t->pools[i].hi - HEADER), *prev = NULL, *b;
+        bool prev_free = false;
+        for (b = (block *)t->pools[i].lo; b < end; b = block_next(b)) {
+            CHECK((b->size_flags & TAG_MASK) == tag_of(t, b), b, "header tag is wrong");
+            CHECK(b->prev_phys == prev, b, "prev_phys does not point at the previous block");
+            CHECK(block_prev_is_free(b) == prev_free, b, "FLAG_PREV_FREE disagrees with neighbour");
+            CHECK(!(b->size_flags & (ALIGN - 1) & ~(FLAG_FREE | FLAG_PREV_FREE)), b, "stray flag");
+            size_t size = block_size(b);
+            CHECK(size >= MIN_PAYLOAD, b, "block smaller than the minimum");
+            CHECK(size <= (uintptr_t)end - (uintptr_t)block_payload(b), b, "block runs off pool");
+            bool is_free = block_is_free(b);
+            CHECK(!(is_free && prev_free), b, "two neighbouring free blocks were not merged");
+            if (is_free) free_bytes += size, free_count++;
+            else used += size, live++;
+            prev = b;
+            prev_free = is_free;
+        }
+        CHECK(b == end, b, "last block does not end at the sentinel");
+        CHECK((b->size_flags & TAG_MASK) == tag_of(t, b) && block_size(b) == 0 && !block_is_free(b),
+              b, "sentinel header damaged");
+        CHECK(b->prev_phys == prev && block_prev_is_free(b) == prev_free, b, "sentinel links");
+    }
+    size_t listed = 0;
+    for (unsigned fl = 0; fl < FL_COUNT; fl++) {
+        CHECK(!!(t->fl_bitmap & (1u << fl)) == !!t->sl_bitmap[fl], &t->sl_bitmap[fl],
+              "first-level bitmap bit %u disagrees with second level", fl);
+        for (unsigned sl = 0; sl < SL_COUNT; sl++) {
+            block *head = t->heads[fl][sl];
+            CHECK(!!(t->sl_bitmap[fl] & (1u << sl)) == !!head, &t->heads[fl][sl],
+                  "bitmap bit (%u,%u) disagrees with its list", fl, sl);
+            for (block *b = head, *prev = NULL; b; prev = b, b = b->next_free) {
+                CHECK(++listed <= free_count, b, "free lists hold more blocks than the pools");
+                CHECK(pool_of(t, b), b, "free-list entry outside every pool");
+                CHECK((b->size_flags & TAG_MASK) == tag_of(t, b) && block_is_free(b), b,
+                      "free-list entry is not a free block");
+                CHECK(!prev || b->prev_free == prev, b, "prev_free link broken");
+                unsigned f, s;
+                mapping_insert(block_size(b), &f, &s);
+                CHECK(f == fl && s == sl, b, "block of size %zu on list (%u,%u)", block_size(b),
+                      fl, sl);
+            }
+        }
+    }
+    CHECK(listed == free_count, t, "%zu free blocks but %zu on lists", free_count, listed);
+    CHECK(used == t->bytes_used && live == t->live_blocks, t, "used counters drifted");
+    CHECK(free_bytes == t->bytes_free && free_count == t->free_blocks, t, "free counters drifted");
+    heap_unlock(t);
+    return SP_OK;
+fail:
+    heap_unlock(t);
+    sp_log(SP_LOG_ERROR, SP_ERR_CORRUPT, "sp_tlsf_check", bad, "%s", why);
+    return SP_ERR_CORRUPT;
+}

@@ -1,0 +1,473 @@
+/* The platform layer on Linux (x86-64, aarch64, others through the clock fallback): virtual
+ * memory over mmap, threads over pthread, futexes over the raw syscall, and a futex mutex.
+ * This is the only file in spindle allowed OS or CPU #ifdefs. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "sp_internal.h"
+#include "sp_platform.h"
+
+_Static_assert(sizeof(pthread_t) <= sizeof(uintptr_t), "sp_thread.os must hold a pthread_t");
+
+/* ---- errors ---------------------------------------------------------------------------- */
+
+/* Thread-safe text for an errno value; `buf` is used only when the libc needs it. */
+static const char *errno_text(int err, char *buf, size_t n) {
+#if defined(__GLIBC__)
+    return strerror_r(err, buf, n); /* GNU variant: returns the text */
+#else
+    snprintf(buf, n, "errno %d", err);
+    return buf;
+#endif
+}
+
+/* Log an OS refusal (resource class: warn, SP_ERR_OS) with the call, address and errno;
+ * `size` 0 leaves the size out of the message. */
+static sp_result os_fail(const char *call, const void *addr, const char *what, size_t size,
+                         int err) {
+    char buf[128];
+    const char *text = errno_text(err, buf, sizeof buf);
+    if (size)
+        sp_log(SP_LOG_WARN, SP_ERR_OS, call, addr, "%s of %zu bytes failed: %s", what, size, text);
+    else
+        sp_log(SP_LOG_WARN, SP_ERR_OS, call, addr, "%s failed: %s", what, text);
+    return SP_ERR_OS;
+}
+
+/* ---- virtual memory -------------------------------------------------------------------- */
+
+/* Cached sizes: 0 = not yet read. Racing first calls compute the same value, so relaxed
+ * loads and stores suffice. */
+static size_t page_size_cached;
+static size_t huge_size_cached; /* SIZE_MAX = read, but unknown */
+
+size_t sp_page_size(void) {
+    size_t s = __atomic_load_n(&page_size_cached, __ATOMIC_RELAXED);
+    if (SP_UNLIKELY(s == 0)) {
+        long v = sysconf(_SC_PAGESIZE);
+        s = v > 0 ? (size_t)v : 4096;
+        __atomic_store_n(&page_size_cached, s, __ATOMIC_RELAXED);
+    }
+    return s;
+}
+
+/* "Hugepagesize:    2048 kB" from /proc/meminfo; 0 when absent. Cost: a file read. */
+static size_t meminfo_huge_size(void) {
+    FILE *f = fopen("/proc/meminfo", "re");
+    if (!f)
+        return 0;
+    char line[256];
+    size_t kib = 0;
+    while (fgets(line, sizeof line, f)) {
+        unsigned long v;
+        if (sscanf(line, "Hugepagesize: %lu kB", &v) == 1) {
+            kib = v;
+            break;
+        }
+    }
+    fclose(f);
+    size_t s = kib * 1024;
+    return sp_is_pow2(s) ? s : 0;
+}
+
+size_t sp_huge_page_size(void) {
+    size_t s = __atomic_load_n(&huge_size_cached, __ATOMIC_RELAXED);
+    if (SP_UNLIKELY(s == 0)) {
+        s = meminfo_huge_size();
+        if (s == 0)
+            s = SIZE_MAX;
+        __atomic_store_n(&huge_size_cached, s, __ATOMIC_RELAXED);
+    }
+    return s == SIZE_MAX ? 0 : s;
+}
+
+/* True unless /sys/kernel/mm/transparent_hugepage/enabled is missing or selects [never].
+ * Read on every huge reservation (the setting can change at run time). */
+static bool thp_enabled(void) {
+    FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/enabled", "re");
+    if (!f)
+        return false;
+    char line[128] = {0};
+    bool on = fgets(line, sizeof line, f) && !strstr(line, "[never]");
+    fclose(f);
+    return on;
+}
+
+/* mmap `size` bytes at an `align`-aligned address. `granule` is the alignment mmap already
+ * guarantees for these flags (base or huge page); size is a multiple of it. When align >
+ * granule, over-reserves by align - granule and unmaps the unaligned head and tail, so the
+ * cost is address space only. Returns NULL with errno set on failure. */
+static void *region_map(size_t size, size_t align, size_t granule, int prot, int flags) {
+    if (align <= granule) {
+        void *p = mmap(NULL, size, prot, flags, -1, 0);
+        return p == MAP_FAILED ? NULL : p;
+    }
+    size_t span = size + (align - granule);
+    if (span < size) {
+        errno = ENOMEM;
+        return NULL;
+    }
+    void *raw = mmap(NULL, span, prot, flags, -1, 0);
+    if (raw == MAP_FAILED)
+        return NULL;
+    uintptr_t base = (uintptr_t)raw;
+    uintptr_t aligned = sp_align_up(base, align);
+    size_t head = aligned - base;
+    size_t tail = span - head - size;
+    /* Trimming cannot fail for whole granules of a mapping we own; a failure only leaks
+     * address space, so it is not worth failing the reservation for. */
+    if (head)
+        munmap(raw, head);
+    if (tail)
+        munmap((void *)(aligned + size), tail);
+    return (void *)aligned;
+}
+
+/* Round x up to a power of two `a`; 0 on overflow. */
+static size_t size_round(size_t x, size_t a) {
+    size_t r = (x + (a - 1)) & ~(a - 1);
+    return r < x ? 0 : r;
+}
+
+void *sp_vm_reserve(size_t size, size_t align, bool huge, sp_page_kind *granted) {
+    const size_t page = sp_page_size();
+    if (align == 0)
+        align = page;
+    if (SP_UNLIKELY(!sp_is_pow2(align) || size == 0)) {
+        sp_misuse(SP_ERR_INVALID_ARG, "sp_vm_reserve", NULL,
+                  "size %zu, align %zu: size must be non-zero and align a power of two", size,
+                  align);
+        return NULL;
+    }
+    if (align < page)
+        align = page;
+    size_t rounded = size_round(size, page);
+    if (SP_UNLIKELY(rounded == 0)) {
+        sp_log(SP_LOG_WARN, SP_ERR_OVERFLOW, "sp_vm_reserve", NULL, "size %zu overflows", size);
+        return NULL;
+    }
+    const int reserve_flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
+    const size_t hsize = huge ? sp_huge_page_size() : 0;
+    if (hsize) {
+        /* 1. Explicit huge pages: come readable/writable, backed by the hugetlb pool (no
+         *    MAP_NORESERVE, so the pool is charged now and touching never SIGBUSes). */
+        size_t hrounded = size_round(size, hsize);
+        if (hrounded) {
+            void *p = region_map(hrounded, align, hsize, PROT_READ | PROT_WRITE,
+                                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB);
+            if (p) {
+                if (granted)
+                    *granted = SP_PAGES_HUGE;
+                return p;
+            }
+        }
+        /* 2. Base pages, huge-aligned so THP can back whole 2 MiB extents. */
+        void *p =
+            region_map(rounded, align > hsize ? align : hsize, page, PROT_NONE, reserve_flags);
+        if (p) {
+            bool thp = madvise(p, rounded, MADV_HUGEPAGE) == 0 && thp_enabled();
+            if (granted)
+                *granted = thp ? SP_PAGES_TRANSPARENT : SP_PAGES_NORMAL;
+            return p;
+        }
+        /* 3. Fall through: the huge alignment may be what the OS refused. */
+    }
+    void *p = region_map(rounded, align, page, PROT_NONE, reserve_flags);
+    if (SP_UNLIKELY(!p)) {
+        os_fail("sp_vm_reserve", NULL, "mmap", rounded, errno);
+        return NULL;
+    }
+    if (granted)
+        *granted = SP_PAGES_NORMAL;
+    return p;
+}
+
+/* Misuse check shared by commit/decommit/guard: non-NULL, page-aligned pointer and size. */
+static bool range_valid(const char *call, const void *p, size_t size) {
+    const size_t mask = sp_page_size() - 1;
+    if (SP_LIKELY(p && ((uintptr_t)p & mask) == 0 && (size & mask) == 0))
+        return true;
+    sp_misuse(SP_ERR_INVALID_ARG, call, p, "range %p + %zu is not page-aligned (page %zu)", p, size,
+              mask + 1);
+    return false;
+}
+
+sp_result sp_vm_commit(void *p, size_t size) {
+    if (SP_UNLIKELY(!range_valid("sp_vm_commit", p, size)))
+        return SP_ERR_INVALID_ARG;
+    if (SP_UNLIKELY(mprotect(p, size, PROT_READ | PROT_WRITE) != 0))
+        return os_fail("sp_vm_commit", p, "mprotect(RW)", size, errno);
+    return SP_OK;
+}
+
+sp_result sp_vm_decommit(void *p, size_t size) {
+    if (SP_UNLIKELY(!range_valid("sp_vm_decommit", p, size)))
+        return SP_ERR_INVALID_ARG;
+    if (size == 0)
+        return SP_OK;
+    /* Mapping fresh PROT_NONE pages over the range drops the old pages and the access in one
+     * step: no window where the range is accessible but already zeroed, no RSS left behind
+     * (unlike MADV_FREE), and the reservation stays NORESERVE. */
+    void *r =
+        mmap(p, size, PROT_NONE, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (SP_UNLIKELY(r == MAP_FAILED))
+        return os_fail("sp_vm_decommit", p, "mmap(FIXED)", size, errno);
+    return SP_OK;
+}
+
+sp_result sp_vm_guard(void *p, size_t size) {
+    if (SP_UNLIKELY(!range_valid("sp_vm_guard", p, size)))
+        return SP_ERR_INVALID_ARG;
+    if (SP_UNLIKELY(mprotect(p, size, PROT_NONE) != 0))
+        return os_fail("sp_vm_guard", p, "mprotect(NONE)", size, errno);
+    return SP_OK;
+}
+
+void sp_vm_release(void *p, size_t size) {
+    if (!p)
+        return;
+    const size_t page = sp_page_size();
+    if (SP_UNLIKELY(((uintptr_t)p & (page - 1)) != 0 || size == 0)) {
+        sp_misuse(SP_ERR_INVALID_ARG, "sp_vm_release", p, "release of %p + %zu: not a reservation",
+                  p, size);
+        return;
+    }
+    size_t rounded = size_round(size, page);
+    if (munmap(p, rounded) == 0)
+        return;
+    int err = errno;
+    /* A MAP_HUGETLB reservation was rounded to the huge page size, and munmap of hugetlb
+     * memory needs that length: retry once with it. */
+    size_t hsize = sp_huge_page_size();
+    if (err == EINVAL && hsize && ((uintptr_t)p & (hsize - 1)) == 0) {
+        size_t hrounded = size_round(size, hsize);
+        if (hrounded && munmap(p, hrounded) == 0)
+            return;
+    }
+    os_fail("sp_vm_release", p, "munmap", rounded, err);
+}
+
+/* ---- CPU, clocks ----------------------------------------------------------------------- */
+
+uint32_t sp_cpu_count(void) {
+    /* Affinity can change at run time, so this is not cached. Cost: one system call (more
+     * only on machines with over 1024 CPUs). */
+    for (size_t ncpu = 1024; ncpu <= (1u << 20); ncpu *= 2) {
+        cpu_set_t *set = CPU_ALLOC(ncpu);
+        if (!set)
+            break;
+        size_t bytes = CPU_ALLOC_SIZE(ncpu);
+        CPU_ZERO_S(bytes, set);
+        if (sched_getaffinity(0, bytes, set) == 0) {
+            int n = CPU_COUNT_S(bytes, set);
+            CPU_FREE(set);
+            return n > 0 ? (uint32_t)n : 1;
+        }
+        CPU_FREE(set);
+        if (errno != EINVAL)
+            break;
+    }
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (uint32_t)n : 1;
+}
+
+uint64_t sp_time_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+#if defined(__x86_64__)
+#define TICKS_ARE_CLOCK 0
+uint64_t sp_ticks(void) {
+    return __builtin_ia32_rdtsc();
+}
+#elif defined(__aarch64__)
+#define TICKS_ARE_CLOCK 0
+uint64_t sp_ticks(void) {
+    uint64_t v;
+    __asm__ __volatile__("isb\n\tmrs %0, cntvct_el0" : "=r"(v)::"memory");
+    return v;
+}
+#else
+#define TICKS_ARE_CLOCK 1
+uint64_t sp_ticks(void) {
+    return sp_time_ns();
+}
+#endif
+
+/* Nanoseconds per tick, written once under pthread_once and read-only afterwards. */
+static double ns_per_tick;
+static pthread_once_t ns_per_tick_once = PTHREAD_ONCE_INIT;
+
+/* Measure the tick rate against CLOCK_MONOTONIC over ~10 ms (one sleep). */
+static void ticks_calibrate(void) {
+    if (TICKS_ARE_CLOCK) {
+        ns_per_tick = 1.0;
+        return;
+    }
+    uint64_t t0 = sp_time_ns(), k0 = sp_ticks();
+    struct timespec d = {0, 10 * 1000 * 1000};
+    while (nanosleep(&d, &d) != 0 && errno == EINTR) {
+    }
+    uint64_t t1 = sp_time_ns(), k1 = sp_ticks();
+    ns_per_tick = k1 > k0 ? (double)(t1 - t0) / (double)(k1 - k0) : 1.0;
+}
+
+double sp_ticks_to_ns(uint64_t ticks) {
+    pthread_once(&ns_per_tick_once, ticks_calibrate);
+    return (double)ticks * ns_per_tick;
+}
+
+/* ---- threads --------------------------------------------------------------------------- */
+
+/* What a new thread needs before it runs the caller's function; freed by the thread. */
+typedef struct thread_start {
+    sp_thread_fn fn;
+    void *arg;
+    char name[16]; /* 15 chars + NUL: the kernel's limit */
+} thread_start;
+
+/* Names itself first, so fn (and anything it calls) already sees the name. */
+static void *thread_main(void *raw) {
+    thread_start st = *(thread_start *)raw;
+    free(raw);
+    if (st.name[0])
+        sp_thread_set_name(st.name);
+    return st.fn(st.arg);
+}
+
+sp_result sp_thread_start(sp_thread *out, sp_thread_fn fn, void *arg, const char *name) {
+    if (SP_UNLIKELY(!out || !fn))
+        return sp_misuse(SP_ERR_INVALID_ARG, "sp_thread_start", out, "NULL %s",
+                         out ? "function" : "output");
+    thread_start *st = malloc(sizeof *st);
+    if (SP_UNLIKELY(!st)) {
+        sp_log(SP_LOG_WARN, SP_ERR_NOMEM, "sp_thread_start", NULL, "no memory for a start record");
+        return SP_ERR_NOMEM;
+    }
+    st->fn = fn;
+    st->arg = arg;
+    st->name[0] = 0;
+    if (name)
+        snprintf(st->name, sizeof st->name, "%s", name);
+    pthread_t t;
+    int err = pthread_create(&t, NULL, thread_main, st);
+    if (SP_UNLIKELY(err != 0)) {
+        free(st);
+        return os_fail("sp_thread_start", NULL, "pthread_create", 0, err);
+    }
+    out->os = (uintptr_t)t;
+    return SP_OK;
+}
+
+void *sp_thread_join(sp_thread t) {
+    void *ret = NULL;
+    int err = pthread_join((pthread_t)t.os, &ret);
+    if (SP_UNLIKELY(err != 0)) {
+        char buf[128];
+        sp_log(SP_LOG_WARN, SP_ERR_OS, "sp_thread_join", (const void *)t.os,
+               "pthread_join failed: %s", errno_text(err, buf, sizeof buf));
+        return NULL;
+    }
+    return ret;
+}
+
+void sp_thread_set_name(const char *name) {
+    if (!name)
+        return;
+    char buf[16];
+    snprintf(buf, sizeof buf, "%s", name);
+    pthread_setname_np(pthread_self(), buf); /* best effort: a name is only a debugging aid */
+}
+
+uint64_t sp_thread_os_id(void) {
+    return (uint64_t)syscall(SYS_gettid);
+}
+
+void sp_thread_yield(void) {
+    sched_yield();
+}
+
+/* ---- futex ----------------------------------------------------------------------------- */
+
+void sp_futex_wait(uint32_t *addr, uint32_t expected, uint64_t timeout_ns) {
+    struct timespec ts, *tsp = NULL;
+    if (timeout_ns) {
+        ts.tv_sec = (time_t)(timeout_ns / 1000000000u);
+        ts.tv_nsec = (long)(timeout_ns % 1000000000u);
+        tsp = &ts;
+    }
+    /* EAGAIN (value differs), EINTR and ETIMEDOUT all mean "return": callers re-check. */
+    syscall(SYS_futex, addr, FUTEX_WAIT_PRIVATE, expected, tsp, NULL, 0);
+}
+
+void sp_futex_wake(uint32_t *addr, int32_t count) {
+    syscall(SYS_futex, addr, FUTEX_WAKE_PRIVATE, count, NULL, NULL, 0);
+}
+
+/* ---- mutex ----------------------------------------------------------------------------- */
+
+/* state: 0 unlocked, 1 locked with no sleeper, 2 locked and someone may sleep in the futex.
+ * Invariant: a thread only sleeps after writing 2, so an unlock that reads 2 must wake one.
+ * Acquire on every transition into "locked by me", release on unlock. */
+enum { MUTEX_FREE = 0, MUTEX_LOCKED = 1, MUTEX_CONTENDED = 2 };
+
+/* Plain-load spins before sleeping: ~100-200 ns on these machines, about one cross-core
+ * handoff. No PAUSE: the hypervisor traps it (NOTES.md). */
+enum { MUTEX_SPINS = 128 };
+
+SP_NOINLINE static void mutex_lock_slow(sp_mutex *m) {
+    for (int i = 0; i < MUTEX_SPINS; i++) {
+        uint32_t s = __atomic_load_n(&m->state, __ATOMIC_RELAXED);
+        if (s == MUTEX_FREE) {
+            uint32_t expect = MUTEX_FREE;
+            if (__atomic_compare_exchange_n(&m->state, &expect, MUTEX_LOCKED, false,
+                                            __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
+                return;
+        } else if (s == MUTEX_CONTENDED) {
+            break; /* others already sleep: queue behind them rather than burn cycles */
+        }
+    }
+    /* Taking the lock with 2 (not 1) is conservative: we cannot know no one else sleeps. */
+    while (__atomic_exchange_n(&m->state, MUTEX_CONTENDED, __ATOMIC_ACQUIRE) != MUTEX_FREE)
+        sp_futex_wait(&m->state, MUTEX_CONTENDED, 0);
+}
+
+void sp_mutex_lock(sp_mutex *m) {
+    uint32_t expect = MUTEX_FREE;
+    if (SP_LIKELY(__atomic_compare_exchange_n(&m->state, &expect, MUTEX_LOCKED, false,
+                                              __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)))
+        return;
+    mutex_lock_slow(m);
+}
+
+bool sp_mutex_trylock(sp_mutex *m) {
+    uint32_t expect = MUTEX_FREE;
+    return __atomic_compare_exchange_n(&m->state, &expect, MUTEX_LOCKED, false, __ATOMIC_ACQUIRE,
+                                       __ATOMIC_RELAXED);
+}
+
+void sp_mutex_unlock(sp_mutex *m) {
+    uint32_t prev = __atomic_exchange_n(&m->state, MUTEX_FREE, __ATOMIC_RELEASE);
+    if (SP_UNLIKELY(prev != MUTEX_LOCKED)) {
+        if (prev == MUTEX_CONTENDED)
+            sp_futex_wake(&m->state, 1);
+        else
+            sp_misuse(SP_ERR_INVALID_ARG, "sp_mutex_unlock", m, "unlock of an unlocked mutex");
+    }
+}

@@ -1,0 +1,131 @@
+/* spindle platform layer: the only code that talks to the OS.
+ *
+ * Virtual memory (reserve / commit / decommit / release, huge pages, guard pages), threads and
+ * their names, CPU count, a monotonic clock, a cheap tick counter, futex wait/wake and a small
+ * futex mutex. Everything above this layer is portable C.
+ *
+ * Init/shutdown: nothing to initialise; every call may be made at any time.
+ * Concurrency: every call may run concurrently with any other, from any thread. Calls that
+ * change the same memory range (commit/decommit/release of overlapping ranges) need the
+ * caller's own ordering, as with mmap.
+ */
+#ifndef SP_PLATFORM_H
+#define SP_PLATFORM_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "sp_log.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- virtual memory ------------------------------------------------------------------- */
+
+/* What backs a reservation. */
+typedef enum sp_page_kind {
+    SP_PAGES_NORMAL = 0,      /* base pages (4 KiB on x86-64) */
+    SP_PAGES_TRANSPARENT = 1, /* base pages with transparent huge pages requested (madvise) */
+    SP_PAGES_HUGE = 2,        /* explicit huge pages (MAP_HUGETLB), committed at reservation */
+} sp_page_kind;
+
+/* Size of a base page. Cost: one load after the first call. */
+size_t sp_page_size(void);
+
+/* Huge page size (2 MiB on x86-64), 0 when unknown. */
+size_t sp_huge_page_size(void);
+
+/* Reserve `size` bytes of address space, aligned to `align` (a power of two; 0 means page
+ * size). Reserved memory is inaccessible until committed. With `huge`, tries MAP_HUGETLB
+ * pages (which come committed), then transparent huge pages, then base pages; `granted`
+ * (may be NULL) tells which. `size` is rounded up to the page (or huge page) size; callers
+ * that need the rounded size round with sp_huge_page_size() themselves. With SP_PAGES_HUGE,
+ * commit/decommit/guard/release work only on huge-page-aligned ranges (the kernel does not
+ * split huge pages). size 0 is misuse. Returns NULL (and logs SP_ERR_OS at warn level) if the
+ * OS refuses. */
+void *sp_vm_reserve(size_t size, size_t align, bool huge, sp_page_kind *granted);
+
+/* Make [p, p+size) readable and writable; pages are faulted in on first touch and read as
+ * zero the first time. `p` and `size` must be page-aligned. */
+sp_result sp_vm_commit(void *p, size_t size);
+
+/* Return the physical pages of [p, p+size) to the OS and make the range inaccessible
+ * again; the address range stays reserved. Contents are lost. */
+sp_result sp_vm_decommit(void *p, size_t size);
+
+/* Make [p, p+size) inaccessible (a guard): any access faults at once. */
+sp_result sp_vm_guard(void *p, size_t size);
+
+/* Give back a reservation made by sp_vm_reserve (same pointer and size). */
+void sp_vm_release(void *p, size_t size);
+
+/* ---- CPU, clocks ----------------------------------------------------------------------- */
+
+/* Number of CPUs this process may run on (sched_getaffinity), at least 1. Not cached (the
+ * affinity may change): one system call per call. */
+uint32_t sp_cpu_count(void);
+
+/* Monotonic clock in nanoseconds (CLOCK_MONOTONIC). Cost: ~20 ns (vDSO). */
+uint64_t sp_time_ns(void);
+
+/* A cheap, monotonic per-core tick counter (rdtsc on x86-64, cntvct_el0 on aarch64). Ticks are
+ * only comparable on one machine; convert with sp_ticks_to_ns. Cost: a few ns. */
+uint64_t sp_ticks(void);
+
+/* Ticks -> nanoseconds. Calibrated against sp_time_ns once (~10 ms on first use). */
+double sp_ticks_to_ns(uint64_t ticks);
+
+/* ---- threads --------------------------------------------------------------------------- */
+
+typedef struct sp_thread {
+    uintptr_t os; /* pthread_t */
+} sp_thread;
+
+typedef void *(*sp_thread_fn)(void *arg);
+
+/* Start a thread running fn(arg), named `name` (may be NULL; truncated to 15 chars).
+ * The thread names itself before running fn. Returns SP_ERR_OS if the OS refuses,
+ * SP_ERR_NOMEM if the small start record cannot be allocated. */
+sp_result sp_thread_start(sp_thread *out, sp_thread_fn fn, void *arg, const char *name);
+
+/* Wait for a thread started by sp_thread_start; returns what its function returned (NULL,
+ * and a logged SP_ERR_OS, if the join itself fails). */
+void *sp_thread_join(sp_thread t);
+
+/* Name the calling thread (as seen by debuggers, top, perf). */
+void sp_thread_set_name(const char *name);
+
+/* The OS id of the calling thread (gettid). */
+uint64_t sp_thread_os_id(void);
+
+/* Give the rest of the time slice away. */
+void sp_thread_yield(void);
+
+/* ---- futex ----------------------------------------------------------------------------- */
+
+/* Sleep while *addr == expected, at most timeout_ns (0 = no limit). May wake spuriously.
+ * Process-private futex. *addr must be accessed atomically by everyone else. */
+void sp_futex_wait(uint32_t *addr, uint32_t expected, uint64_t timeout_ns);
+
+/* Wake up to `count` threads sleeping on addr (INT32_MAX for all). */
+void sp_futex_wake(uint32_t *addr, int32_t count);
+
+/* ---- mutex ----------------------------------------------------------------------------- */
+
+/* A futex mutex (0 = unlocked; zero-initialise it). Uncontended lock/unlock: one atomic each.
+ * Contended: spins briefly, then sleeps. Not recursive. Unlocking an unlocked mutex is
+ * misuse (SP_ERR_INVALID_ARG); the mutex stays unlocked. */
+typedef struct sp_mutex {
+    uint32_t state;
+} sp_mutex;
+
+void sp_mutex_lock(sp_mutex *m);
+bool sp_mutex_trylock(sp_mutex *m);
+void sp_mutex_unlock(sp_mutex *m);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,15 @@
+/* spindle: a C runtime for multithreaded game engines. The umbrella header.
+ *
+ * Modules, lowest first (each header says which of its calls may run concurrently):
+ *   sp_log.h       logger, SP_ERR_* ids, misuse policy, sp_die
+ *   sp_platform.h  virtual memory, threads, clocks, futex, mutex
+ *   sp_tlsf.h      the central TLSF heap
+ */
+#ifndef SPINDLE_H
+#define SPINDLE_H
+
+#include "sp_log.h"
+#include "sp_platform.h"
+#include "sp_tlsf.h"
+
+#endif

@@ -1,0 +1,361 @@
+#!/usr/bin/env bash
+# spin: the one entry point for building, testing and benchmarking spindle on Debian 12.
+# Installs missing Debian packages (as root) or says how, configures the build-* directories
+# it needs, and runs what CI runs. `./spin help` for the subcommands.
+#
+# The *_ENV/*_OPTS arrays are used by name (local -n), their commas are meson syntax, and
+# some functions run only through `timed`:
+# shellcheck disable=SC2034,SC2054,SC2317
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+cd "$ROOT" || exit 1
+
+PACKAGES=(meson ninja-build pkg-config gcc g++ clang-14 libclang-rt-14-dev liburcu-dev
+          libbenchmark-dev valgrind libjemalloc-dev libgoogle-perftools-dev libmimalloc-dev)
+
+# Build directories: compiler environment and meson options. Changing these lines makes the
+# next run re-create the directory (see setup_dir).
+RELEASE_ENV=(CC=gcc CXX=g++)
+RELEASE_OPTS=(--buildtype=release -Ddebug_level=0)
+DEBUG_ENV=(CC=gcc CXX=g++)
+DEBUG_OPTS=(--buildtype=debug -Ddebug_level=1 -Db_sanitize=address,undefined
+            -Dc_args=-fno-sanitize-recover=all -Dcpp_args=-fno-sanitize-recover=all
+            -Dbench=disabled)
+TSAN_ENV=(CC=clang-14 CXX=clang++-14)
+TSAN_OPTS=(--buildtype=debugoptimized -Db_sanitize=thread -Db_lundef=false -Dbench=disabled)
+FUZZ_ENV=(CC=clang-14 CXX=clang++-14)
+FUZZ_OPTS=(--buildtype=debugoptimized -Dfuzzing=true -Db_sanitize=address,undefined
+           -Db_lundef=false -Dbench=disabled -Ddemos=false)
+
+MESON_TEST_ARGS=(--print-errorlogs --num-processes 2)
+
+usage() {
+    cat <<'EOF'
+usage: ./spin COMMAND [ARGS]
+
+  demo                 release build, then run build-release/demos/spindle-demo [ARGS]
+  test                 what CI runs: ASan+UBSan (unit, death), TSan (concurrency),
+                       release (unit + benchmark smoke), libFuzzer (fuzz); ends with the
+                       line "N passed, N failed"; exit status non-zero if anything failed
+  bench [AREA...] [FLAGS]
+                       release build, then bench/run build-release AREA [FLAGS] for each
+                       AREA (default: every bench_AREA executable built); FLAGS such as
+                       --smoke or --repetitions N are passed to bench/run; results go to
+                       build-release/bench/AREA.json
+  help                 this text
+
+demo, test and bench first make sure these Debian packages are installed (installing them
+when run as root, printing the apt-get line otherwise):
+EOF
+    printf '  %s\n' "${PACKAGES[*]}"
+}
+
+say() { printf '%s\n' "$*"; }
+heading() { printf '\n==== %s\n' "$*"; }
+die() {
+    printf 'spin: %s\n' "$*" >&2
+    exit 1
+}
+
+# Seconds since the epoch with milliseconds, and a difference in seconds with one decimal.
+now() { date +%s.%N; }
+elapsed() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
+
+# ---- packages ----------------------------------------------------------------------------
+
+ensure_packages() {
+    command -v dpkg-query >/dev/null 2>&1 ||
+        die "dpkg-query not found: spin expects Debian 12; see README.md for plain meson commands"
+    local missing=() p status
+    for p in "${PACKAGES[@]}"; do
+        status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null) || status=
+        [[ $status == "install ok installed" ]] || missing+=("$p")
+    done
+    ((${#missing[@]} == 0)) && return 0
+
+    if ((EUID != 0)); then
+        {
+            say "spin: missing Debian packages: ${missing[*]}"
+            say "spin: install them with:"
+            say "sudo apt-get update && sudo apt-get install -y ${missing[*]}"
+        } >&2
+        exit 1
+    fi
+    heading "installing missing packages: ${missing[*]}"
+    apt-get update </dev/null || die "apt-get update failed"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y "${missing[@]}" </dev/null ||
+        die "apt-get install failed"
+    for p in "${missing[@]}"; do
+        status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null) || status=
+        [[ $status == "install ok installed" ]] || die "package $p still not installed"
+    done
+}
+
+# ---- build directories -------------------------------------------------------------------
+
+# setup_dir DIR ENV_ARRAY_NAME OPTS_ARRAY_NAME
+# Configures DIR if it is missing. A stamp inside DIR records the environment and options it
+# was configured with; if they changed since (or DIR was configured by hand), DIR is wiped
+# and configured afresh, since a changed compiler or sanitizer cannot be applied in place.
+# A directory whose configuration meson can no longer load is wiped too.
+setup_dir() {
+    local dir=$1
+    local -n env_ref=$2 opts_ref=$3
+    local stamp="$dir/.spin-setup"
+    local want
+    want=$(printf '%s\n' "meson $(meson --version 2>/dev/null)" "${env_ref[@]}" "${opts_ref[@]}")
+
+    if [[ -f $dir/meson-private/coredata.dat ]]; then
+        if [[ -f $stamp && $(<"$stamp") == "$want" ]]; then
+            return 0
+        fi
+        say "spin: $dir was configured differently: wiping and configuring again"
+        rm -f "$stamp"
+        env "${env_ref[@]}" meson setup --wipe "$dir" "${opts_ref[@]}" </dev/null || return 1
+    else
+        rm -f "$stamp"
+        env "${env_ref[@]}" meson setup "$dir" "${opts_ref[@]}" </dev/null || return 1
+    fi
+    printf '%s\n' "$want" >"$stamp"
+}
+
+# ---- steps of `spin test` ----------------------------------------------------------------
+
+STEPS=()    # --step arguments for .ci/summary.py
+STATUS=0    # non-zero when any step failed
+TIMINGS=()  # "label  seconds"
+
+# record NAME RC [LOG]
+record() {
+    STEPS+=(--step "$1:$2:${3:-}")
+    if (($2 != 0)); then
+        STATUS=1
+        say "spin: step '$1' FAILED (exit status $2)"
+    fi
+}
+
+# timed LABEL CMD...: run CMD, print and keep its wall time, return its status.
+timed() {
+    local label=$1 t0 rc
+    shift
+    t0=$(now)
+    "$@" </dev/null
+    rc=$?
+    local secs
+    secs=$(elapsed "$t0")
+    say "---- $label: ${secs} s (exit status $rc)"
+    TIMINGS+=("$(printf '%-26s %7s s' "$label" "$secs")")
+    return "$rc"
+}
+
+# build_step NAME DIR ENV OPTS: configure and compile; records a failure and returns 1 when
+# either fails, so the caller skips the tests of a broken build (they still count as failed).
+build_step() {
+    local name=$1 dir=$2 rc
+    timed "$name: configure" setup_dir "$dir" "$3" "$4"
+    rc=$?
+    if ((rc != 0)); then
+        record "$name-configure" "$rc"
+        return 1
+    fi
+    timed "$name: build" meson compile -C "$dir"
+    rc=$?
+    if ((rc != 0)); then
+        record "$name-build" "$rc"
+        return 1
+    fi
+    return 0
+}
+
+# test_step NAME DIR LOGBASE MESON_TEST_ARGS...: run meson test (no rebuild: the build step
+# has just built everything) and record its log. Stale logs from earlier runs are removed
+# first so they can never be counted.
+test_step() {
+    local name=$1 dir=$2 logbase=$3 rc
+    shift 3
+    rm -f "$dir/meson-logs/$logbase.json" "$dir/meson-logs/$logbase.txt"
+    timed "$name" meson test -C "$dir" --no-rebuild --logbase "$logbase" \
+        "${MESON_TEST_ARGS[@]}" "$@"
+    rc=$?
+    record "$name" "$rc" "$dir/meson-logs/$logbase.json"
+}
+
+# Whether DIR has any benchmark() registered.
+has_benchmarks() {
+    local json
+    json=$(meson introspect --benchmarks "$1" 2>/dev/null) || return 1
+    python3 -c 'import json, sys; sys.exit(0 if json.loads(sys.stdin.read()) else 1)' \
+        <<<"$json"
+}
+
+# clang-14 must be able to link libFuzzer (it lives in libclang-rt-14-dev).
+check_libfuzzer() {
+    local tmp rc
+    tmp=$(mktemp -d) || return 1
+    printf '%s\n' '#include <stddef.h>' '#include <stdint.h>' \
+        'int LLVMFuzzerTestOneInput(const uint8_t *d, size_t n);' \
+        'int LLVMFuzzerTestOneInput(const uint8_t *d, size_t n) { (void)d; (void)n; return 0; }' \
+        >"$tmp/f.c"
+    clang-14 -fsanitize=fuzzer,address "$tmp/f.c" -o "$tmp/f" >"$tmp/log" 2>&1
+    rc=$?
+    if ((rc != 0)); then
+        cat "$tmp/log"
+        say "spin: clang-14 cannot link -fsanitize=fuzzer (is libclang-rt-14-dev installed?)"
+    fi
+    rm -rf "$tmp"
+    return "$rc"
+}
+
+cmd_test() {
+    ensure_packages
+    local t_all
+    t_all=$(now)
+    # Stale logs of every build dir this command uses are removed up front.
+    rm -f build-{debug,tsan,release,fuzz}/meson-logs/{testlog,benchlog}*.json
+
+    heading "debug: gcc, ASan + UBSan, SP_DEBUG=1 -> suites unit, death"
+    if build_step debug build-debug DEBUG_ENV DEBUG_OPTS; then
+        test_step debug-tests build-debug testlog --suite unit --suite death
+    fi
+
+    heading "tsan: clang-14, ThreadSanitizer -> suite concurrency"
+    if build_step tsan build-tsan TSAN_ENV TSAN_OPTS; then
+        test_step tsan-tests build-tsan testlog --suite concurrency
+    fi
+
+    heading "release: gcc -O3, SP_DEBUG=0 -> suite unit, benchmark smoke"
+    if build_step release build-release RELEASE_ENV RELEASE_OPTS; then
+        test_step release-tests build-release testlog --suite unit
+        if has_benchmarks build-release; then
+            test_step release-bench-smoke build-release benchlog --benchmark
+        else
+            say "spin: no benchmarks registered in build-release (bench not built): smoke skipped"
+        fi
+    fi
+
+    heading "fuzz: clang-14 libFuzzer, ASan + UBSan -> suite fuzz"
+    local rc
+    timed "fuzz: libFuzzer link check" check_libfuzzer
+    rc=$?
+    if ((rc != 0)); then
+        record fuzz-libfuzzer-check "$rc"
+    elif build_step fuzz build-fuzz FUZZ_ENV FUZZ_OPTS; then
+        test_step fuzz-tests build-fuzz testlog --suite fuzz
+    fi
+
+    heading "timings"
+    printf '  %s\n' "${TIMINGS[@]}"
+    printf '  %-26s %7s s\n' "total" "$(elapsed "$t_all")"
+    echo
+    python3 "$ROOT/.ci/summary.py" "${STEPS[@]}"
+    rc=$?
+    # summary.py prints the closing line last; nothing may be printed after it.
+    if ((rc != 0 || STATUS != 0)); then
+        return 1
+    fi
+    return 0
+}
+
+# ---- demo, bench -------------------------------------------------------------------------
+
+cmd_demo() {
+    ensure_packages
+    setup_dir build-release RELEASE_ENV RELEASE_OPTS || die "configuring build-release failed"
+    meson compile -C build-release spindle-demo </dev/null || die "building the demo failed"
+    exec build-release/demos/spindle-demo "$@"
+}
+
+# Areas with a built bench_AREA executable in build-release/bench. bench/run AREA runs
+# bench_AREA and every bench_AREA_* (the same benchmark with a peer allocator as the process
+# malloc), so a name that extends another one with "_..." is not an area of its own.
+bench_areas() {
+    [[ -d build-release/bench ]] || return 0
+    local names=() name other keep
+    mapfile -t names < <(find build-release/bench -maxdepth 1 -type f -perm -u+x \
+        -name 'bench_*' ! -name '*.*' -printf '%f\n' | sed 's/^bench_//' | sort -u)
+    for name in "${names[@]}"; do
+        keep=1
+        for other in "${names[@]}"; do
+            [[ $name == "$other"_* ]] && keep=0
+        done
+        ((keep)) && printf '%s\n' "$name"
+    done
+}
+
+cmd_bench() {
+    local areas=() flags=() arg
+    while (($#)); do
+        arg=$1
+        shift
+        case $arg in
+        --)
+            flags+=(-- "$@") # Google Benchmark flags, for bench/run to pass on
+            break
+            ;;
+        --repetitions)
+            (($#)) || die "--repetitions needs a number"
+            flags+=("$arg" "$1")
+            shift
+            ;;
+        -*) flags+=("$arg") ;;
+        *) areas+=("$arg") ;;
+        esac
+    done
+
+    ensure_packages
+    setup_dir build-release RELEASE_ENV RELEASE_OPTS || die "configuring build-release failed"
+    meson compile -C build-release </dev/null || die "building build-release failed"
+    [[ -f bench/run ]] || die "bench/run does not exist yet"
+    local runner=(bench/run) first=
+    if [[ ! -x bench/run ]]; then
+        read -r first <bench/run
+        case $first in
+        *python*) runner=(python3 bench/run) ;;
+        *) runner=(bash bench/run) ;;
+        esac
+    fi
+
+    if ((${#areas[@]} == 0)); then
+        mapfile -t areas < <(bench_areas)
+        ((${#areas[@]} > 0)) ||
+            die "no bench_* executables in build-release/bench (is libbenchmark-dev installed?)"
+    fi
+
+    local area failed=()
+    for area in "${areas[@]}"; do
+        heading "bench: $area"
+        "${runner[@]}" build-release "$area" "${flags[@]}" </dev/null || failed+=("$area")
+    done
+    if ((${#failed[@]} > 0)); then
+        die "benchmarks failed: ${failed[*]}"
+    fi
+    for area in "${areas[@]}"; do
+        say "results: build-release/bench/$area.json"
+    done
+}
+
+# ---- main --------------------------------------------------------------------------------
+
+# Everything runs from main, and the last line exits: bash reads a script as it goes, so this
+# keeps an edit of this file during a long run from being executed by that run.
+main() {
+    local cmd=${1:-help}
+    (($#)) && shift
+    case $cmd in
+    demo) cmd_demo "$@" ;;
+    test)
+        (($# == 0)) || die "test takes no arguments"
+        cmd_test
+        ;;
+    bench) cmd_bench "$@" ;;
+    help | -h | --help) usage ;;
+    *)
+        printf 'spin: unknown command: %s\n\n' "$cmd" >&2
+        usage >&2
+        return 2
+        ;;
+    esac
+}
+
+main "$@"; exit $?

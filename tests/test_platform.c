@@ -1,0 +1,302 @@
+/* The platform layer: virtual memory, clocks, threads and futexes against the real OS. */
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "sp_platform.h"
+#include "test_support.h"
+
+static void sleep_ns(uint64_t ns) {
+    struct timespec d = {(time_t)(ns / 1000000000u), (long)(ns % 1000000000u)};
+    while (nanosleep(&d, &d) != 0) {
+    }
+}
+
+/* True when every byte of [p, p+n) equals v. */
+static bool bytes_all(const unsigned char *p, size_t n, unsigned char v) {
+    for (size_t i = 0; i < n; i++)
+        if (p[i] != v)
+            return false;
+    return true;
+}
+
+static void test_page_size(void) {
+    size_t ps = sp_page_size();
+    ok(ps >= 4096 && (ps & (ps - 1)) == 0, "page size %zu is a power of two >= 4096", ps);
+}
+
+static void test_reserve_commit(void) {
+    const size_t ps = sp_page_size(), size = 256 * ps;
+    unsigned char *p = sp_vm_reserve(size, 0, false, NULL);
+    ok(p != NULL, "reserve %zu bytes", size);
+    if (!p)
+        return;
+    is_int(sp_vm_commit(p, size), SP_OK, "commit the whole reservation");
+    for (size_t i = 0; i < size; i += 64)
+        p[i] = (unsigned char)(i >> 6);
+    bool same = true;
+    for (size_t i = 0; i < size; i += 64)
+        same &= p[i] == (unsigned char)(i >> 6);
+    ok(same, "committed memory keeps what was written");
+    sp_vm_release(p, size);
+}
+
+static void test_alignment(void) {
+    const size_t aligns[] = {(size_t)2 << 20, (size_t)64 << 10};
+    for (size_t i = 0; i < 2; i++) {
+        size_t a = aligns[i], size = 3 * sp_page_size();
+        unsigned char *p = sp_vm_reserve(size, a, false, NULL);
+        bool usable = p && ((uintptr_t)p & (a - 1)) == 0 && sp_vm_commit(p, size) == SP_OK;
+        if (usable) {
+            p[0] = 1;
+            p[size - 1] = 2;
+            usable = p[0] == 1 && p[size - 1] == 2;
+        }
+        ok(usable, "reserve aligned to %zu KiB: %p, usable", a >> 10, (void *)p);
+        if (p)
+            sp_vm_release(p, size);
+    }
+}
+
+static void test_decommit_zero(void) {
+    const size_t ps = sp_page_size(), size = 16 * ps;
+    unsigned char *p = sp_vm_reserve(size, 0, false, NULL);
+    if (!p || sp_vm_commit(p, size) != SP_OK) {
+        ok(0, "reserve+commit for decommit");
+        ok(0, "recommit");
+        ok(0, "reads zero");
+        return;
+    }
+    memset(p, 0xA5, size);
+    is_int(sp_vm_decommit(p + 4 * ps, 8 * ps), SP_OK, "decommit 8 pages in the middle");
+    is_int(sp_vm_commit(p + 4 * ps, 8 * ps), SP_OK, "commit them again");
+    ok(bytes_all(p + 4 * ps, 8 * ps, 0) && bytes_all(p, 4 * ps, 0xA5) &&
+           bytes_all(p + 12 * ps, 4 * ps, 0xA5),
+       "recommitted pages read zero, neighbours keep their contents");
+    sp_vm_release(p, size);
+}
+
+static void test_guard(void) {
+    const size_t ps = sp_page_size(), size = 3 * ps;
+    unsigned char *p = sp_vm_reserve(size, 0, false, NULL);
+    if (!p || sp_vm_commit(p, size) != SP_OK) {
+        ok(0, "reserve+commit for guard");
+        ok(0, "guard faults");
+        ok(0, "neighbours usable");
+        return;
+    }
+    is_int(sp_vm_guard(p + ps, ps), SP_OK, "guard the middle page");
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        struct rlimit no_core = {0, 0};
+        setrlimit(RLIMIT_CORE, &no_core);
+        signal(SIGSEGV, SIG_DFL); /* die by the signal even under a sanitizer's handler */
+        ((volatile unsigned char *)p)[ps + 10] = 1;
+        _exit(0);
+    }
+    int status = 0;
+    bool segv = pid > 0 && waitpid(pid, &status, 0) == pid && WIFSIGNALED(status) &&
+                WTERMSIG(status) == SIGSEGV;
+    ok(segv, "touching the guard page dies by SIGSEGV (status 0x%x)", status);
+    p[ps - 1] = 1;
+    p[2 * ps] = 2;
+    ok(p[ps - 1] == 1 && p[2 * ps] == 2, "pages either side of the guard stay usable");
+    sp_vm_release(p, size);
+}
+
+static void test_huge(void) {
+    const size_t hs = sp_huge_page_size(), size = (size_t)4 << 20;
+    diag("huge page size: %zu", hs);
+    sp_page_kind kind = (sp_page_kind)-1;
+    unsigned char *p = sp_vm_reserve(size, 0, true, &kind);
+    ok(p != NULL, "huge reservation of 4 MiB");
+    if (!p) {
+        ok(0, "granted kind");
+        ok(0, "alignment");
+        ok(0, "usable");
+        return;
+    }
+    static const char *names[] = {"normal", "transparent", "huge"};
+    bool known = kind == SP_PAGES_NORMAL || kind == SP_PAGES_TRANSPARENT || kind == SP_PAGES_HUGE;
+    ok(known, "granted a known page kind: %s", known ? names[kind] : "?");
+    ok(kind == SP_PAGES_NORMAL || (hs && ((uintptr_t)p & (hs - 1)) == 0),
+       "huge kinds are aligned to the huge page size");
+    bool usable = sp_vm_commit(p, size) == SP_OK;
+    if (usable) {
+        memset(p, 0x5A, size);
+        usable = bytes_all(p, size, 0x5A);
+    }
+    ok(usable, "the whole 4 MiB is usable after commit");
+    sp_vm_release(p, size);
+}
+
+/* Checks a misuse or OS failure: the result and what the capturing logger saw. */
+static void check_logged(int count_before, sp_result want, const char *call, const void *addr) {
+    ok(ts_logged.count == count_before + 1 && ts_logged.last_id == want &&
+           strcmp(ts_logged.last_call, call) == 0 && ts_logged.last_addr == addr,
+       "%s reported %s at %p through the logger", call, sp_result_name(want), addr);
+    if (ts_logged.count)
+        diag("  logged %s from %s at %p: %s", sp_result_name(ts_logged.last_id),
+             ts_logged.last_call, ts_logged.last_addr, ts_logged.last_message);
+}
+
+static void test_bad_args(void) {
+    const size_t ps = sp_page_size();
+    unsigned char *p = sp_vm_reserve(4 * ps, 0, false, NULL);
+    ts_log_capture();
+    int n = ts_logged.count;
+    ok(sp_vm_reserve(ps, 3 * ps, false, NULL) == NULL, "reserve with align 3 pages fails");
+    check_logged(n, SP_ERR_INVALID_ARG, "sp_vm_reserve", NULL);
+
+    n = ts_logged.count;
+    is_int(sp_vm_commit(p + 1, ps), SP_ERR_INVALID_ARG, "commit of an unaligned pointer");
+    check_logged(n, SP_ERR_INVALID_ARG, "sp_vm_commit", p + 1);
+
+    n = ts_logged.count;
+    is_int(sp_vm_decommit(p, ps + 1), SP_ERR_INVALID_ARG, "decommit of an unaligned size");
+    check_logged(n, SP_ERR_INVALID_ARG, "sp_vm_decommit", p);
+
+    n = ts_logged.count;
+    is_int(sp_vm_guard(p + 7, ps), SP_ERR_INVALID_ARG, "guard of an unaligned pointer");
+    check_logged(n, SP_ERR_INVALID_ARG, "sp_vm_guard", p + 7);
+
+    /* An OS refusal: committing address space that is no longer mapped. */
+    sp_vm_release(p, 4 * ps);
+    n = ts_logged.count;
+    is_int(sp_vm_commit(p, ps), SP_ERR_OS, "commit of a released range fails");
+    check_logged(n, SP_ERR_OS, "sp_vm_commit", p);
+    ts_log_release();
+}
+
+static void test_cpu_count(void) {
+    uint32_t n = sp_cpu_count();
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    int want = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : -1;
+    ok(n >= 1, "cpu count %u >= 1", n);
+    is_int(n, want, "cpu count matches sched_getaffinity");
+}
+
+static void test_clocks(void) {
+    bool mono = true;
+    uint64_t prev = sp_time_ns();
+    for (int i = 0; i < 10000; i++) {
+        uint64_t t = sp_time_ns();
+        mono &= t >= prev;
+        prev = t;
+    }
+    sleep_ns(1000000);
+    mono &= sp_time_ns() >= prev + 1000000;
+    ok(mono, "sp_time_ns never goes back and advances over a 1 ms sleep");
+
+    bool tmono = true;
+    uint64_t tp = sp_ticks();
+    for (int i = 0; i < 10000; i++) {
+        uint64_t t = sp_ticks();
+        tmono &= t >= tp;
+        tp = t;
+    }
+    ok(tmono, "sp_ticks never goes back on one thread");
+
+    uint64_t k0 = sp_ticks();
+    sleep_ns(20000000);
+    uint64_t k1 = sp_ticks();
+    double ns = sp_ticks_to_ns(k1 - k0);
+    ok(ns >= 10e6 && ns <= 200e6, "ticks over a 20 ms sleep convert to %.2f ms", ns / 1e6);
+}
+
+typedef struct thread_probe {
+    char name[32];
+    uint64_t os_id;
+} thread_probe;
+
+static void *thread_probe_run(void *arg) {
+    thread_probe *tp = arg;
+    pthread_getname_np(pthread_self(), tp->name, sizeof tp->name);
+    tp->os_id = sp_thread_os_id();
+    sp_thread_yield();
+    return (char *)arg + 1;
+}
+
+static void test_threads(void) {
+    thread_probe a = {{0}, 0}, b = {{0}, 0};
+    sp_thread ta, tb;
+    is_int(sp_thread_start(&ta, thread_probe_run, &a, "sp-test"), SP_OK, "start a named thread");
+    is_int(sp_thread_start(&tb, thread_probe_run, &b, "abcdefghijklmnopqrstuvwxyz"), SP_OK,
+           "start a thread with a long name");
+    ok(sp_thread_join(ta) == (char *)&a + 1, "join returns the function's value");
+    ok(sp_thread_join(tb) == (char *)&b + 1, "join returns the second function's value");
+    ok(strcmp(a.name, "sp-test") == 0, "the thread reads its name back: \"%s\"", a.name);
+    ok(strcmp(b.name, "abcdefghijklmno") == 0, "a long name is cut to 15 chars: \"%s\"", b.name);
+    uint64_t me = sp_thread_os_id();
+    ok(me == (uint64_t)getpid() && a.os_id && b.os_id && a.os_id != me && b.os_id != me &&
+           a.os_id != b.os_id,
+       "OS thread ids are distinct (main %llu, %llu, %llu)", (unsigned long long)me,
+       (unsigned long long)a.os_id, (unsigned long long)b.os_id);
+}
+
+typedef struct waker {
+    uint32_t word;
+} waker;
+
+static void *waker_run(void *arg) {
+    waker *w = arg;
+    sleep_ns(20000000);
+    __atomic_store_n(&w->word, 1, __ATOMIC_RELEASE);
+    sp_futex_wake(&w->word, INT32_MAX);
+    return NULL;
+}
+
+static void test_futex(void) {
+    uint32_t word = 7;
+    uint64_t t0 = sp_time_ns();
+    sp_futex_wait(&word, 7, 20000000);
+    uint64_t dt = sp_time_ns() - t0;
+    ok(dt >= 15000000 && dt < 2000000000u, "wait on a matching value times out (%.2f ms)",
+       (double)dt / 1e6);
+
+    t0 = sp_time_ns();
+    sp_futex_wait(&word, 8, 2000000000u);
+    dt = sp_time_ns() - t0;
+    ok(dt < 500000000u, "wait on a different value returns at once (%.3f ms)", (double)dt / 1e6);
+
+    waker w = {0};
+    sp_thread t;
+    if (sp_thread_start(&t, waker_run, &w, "sp-waker") != SP_OK) {
+        ok(0, "start the waker");
+        return;
+    }
+    t0 = sp_time_ns();
+    int sleeps = 0;
+    while (__atomic_load_n(&w.word, __ATOMIC_ACQUIRE) == 0 && sp_time_ns() - t0 < 10000000000u) {
+        sp_futex_wait(&w.word, 0, 10000000000u);
+        sleeps++;
+    }
+    dt = sp_time_ns() - t0;
+    sp_thread_join(t);
+    ok(__atomic_load_n(&w.word, __ATOMIC_ACQUIRE) == 1 && dt < 5000000000u,
+       "a sleeper is woken by another thread (%.2f ms, %d waits)", (double)dt / 1e6, sleeps);
+    sp_futex_wake(&w.word, 1); /* no sleeper: harmless */
+}
+
+int main(void) {
+    plan(41);
+    test_page_size();      /* 1 */
+    test_reserve_commit(); /* 3 */
+    test_alignment();      /* 2 */
+    test_decommit_zero();  /* 3 */
+    test_guard();          /* 3 */
+    test_huge();           /* 4 */
+    test_bad_args();       /* 10 */
+    test_cpu_count();      /* 2 */
+    test_clocks();         /* 3 */
+    test_threads();        /* 7 */
+    test_futex();          /* 3 */
+    return done();
+}

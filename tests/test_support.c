@@ -1,0 +1,227 @@
+/* Test support (see test_support.h): the capturing logger, the fork-based death helper, a
+ * seeded RNG and sanitizer detection. Linked into every test as a small static library. */
+#include "test_support.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#ifndef SP_DEBUG
+#define SP_DEBUG 0
+#endif
+
+ts_log ts_logged;
+
+/* The logger may run on any thread; records are copied under this lock. Readers (the test's
+ * main thread) look at ts_logged after the logging call has returned. */
+static pthread_mutex_t logged_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void log_capture(void *user, const sp_log_record *rec) {
+    (void)user;
+    pthread_mutex_lock(&logged_lock);
+    ts_logged.count++;
+    ts_logged.last_id = rec->id;
+    ts_logged.last_addr = rec->addr;
+    snprintf(ts_logged.last_call, sizeof ts_logged.last_call, "%s", rec->call ? rec->call : "");
+    snprintf(ts_logged.last_message, sizeof ts_logged.last_message, "%s",
+             rec->message ? rec->message : "");
+    pthread_mutex_unlock(&logged_lock);
+}
+
+void ts_log_reset(void) {
+    pthread_mutex_lock(&logged_lock);
+    memset(&ts_logged, 0, sizeof ts_logged);
+    pthread_mutex_unlock(&logged_lock);
+}
+
+void ts_log_capture(void) {
+    ts_log_reset();
+    sp_log_set(log_capture, NULL);
+    sp_misuse_set_fatal(false);
+}
+
+void ts_log_release(void) {
+    sp_log_set(NULL, NULL);
+    sp_misuse_set_fatal(SP_DEBUG >= 1);
+}
+
+/* ---- death tests ----------------------------------------------------------------------- */
+
+/* Read everything from fd into a NUL-terminated buffer of `cap` bytes; the excess is drained
+ * and dropped so the child never blocks on a full pipe. */
+static void pipe_drain(int fd, char *buf, size_t cap) {
+    size_t len = 0;
+    char sink[4096];
+    for (;;) {
+        char *dst = len + 1 < cap ? buf + len : sink;
+        size_t room = len + 1 < cap ? cap - 1 - len : sizeof sink;
+        ssize_t n = read(fd, dst, room);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            break;
+        if (dst == buf + len)
+            len += (size_t)n;
+    }
+    buf[len] = 0;
+}
+
+/* Print captured child output as TAP diagnostics, one "# " line per line. */
+static void text_diag(const char *text) {
+    const char *line = text;
+    while (*line) {
+        const char *end = strchr(line, '\n');
+        int n = end ? (int)(end - line) : (int)strlen(line);
+        printf("#   | %.*s\n", n, line);
+        line += n + (end ? 1 : 0);
+    }
+    fflush(stdout);
+}
+
+bool ts_dies(void (*fn)(void *), void *arg, const char *needle1, const char *needle2) {
+    int fds[2];
+    if (pipe(fds) != 0) {
+        diag("ts_dies: pipe failed");
+        return false;
+    }
+    fflush(NULL); /* the child must not repeat buffered output */
+    pid_t pid = fork();
+    if (pid < 0) {
+        diag("ts_dies: fork failed");
+        close(fds[0]);
+        close(fds[1]);
+        return false;
+    }
+    if (pid == 0) {
+        struct rlimit no_core = {0, 0};
+        setrlimit(RLIMIT_CORE, &no_core); /* an expected abort should not leave a core file */
+        close(fds[0]);
+        dup2(fds[1], STDERR_FILENO);
+        close(fds[1]);
+        sp_log_set(NULL, NULL); /* messages must reach the captured stderr */
+        sp_fatal_set(NULL, NULL);
+        sp_misuse_set_fatal(true);
+        fn(arg);
+        _exit(0);
+    }
+    close(fds[1]);
+    static char text[16384];
+    pipe_drain(fds[0], text, sizeof text);
+    close(fds[0]);
+    int status = 0;
+    while (waitpid(pid, &status, 0) < 0) {
+        if (errno != EINTR) {
+            diag("ts_dies: waitpid failed");
+            return false;
+        }
+    }
+    bool died = WIFSIGNALED(status);
+    bool found = (!needle1 || strstr(text, needle1)) && (!needle2 || strstr(text, needle2));
+    if (!died || !found) {
+        if (died)
+            diag("ts_dies: child died by signal %d", WTERMSIG(status));
+        else if (WIFEXITED(status))
+            diag("ts_dies: child exited with %d", WEXITSTATUS(status));
+        if (!found)
+            diag("ts_dies: stderr lacks \"%s\" / \"%s\"", needle1 ? needle1 : "",
+                 needle2 ? needle2 : "");
+        diag("ts_dies: child stderr:");
+        text_diag(text);
+    }
+    return died && found;
+}
+
+/* ---- RNG ------------------------------------------------------------------------------- */
+
+static uint64_t splitmix64(uint64_t *x) {
+    uint64_t z = (*x += 0x9e3779b97f4a7c15u);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9u;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebu;
+    return z ^ (z >> 31);
+}
+
+void ts_rng_seed(ts_rng *r, uint64_t seed) {
+    for (int i = 0; i < 4; i++)
+        r->s[i] = splitmix64(&seed);
+}
+
+static uint64_t rotl(uint64_t x, int k) {
+    return (x << k) | (x >> (64 - k));
+}
+
+uint64_t ts_rng_next(ts_rng *r) {
+    uint64_t *s = r->s;
+    uint64_t result = rotl(s[1] * 5, 7) * 9;
+    uint64_t t = s[1] << 17;
+    s[2] ^= s[0];
+    s[3] ^= s[1];
+    s[1] ^= s[2];
+    s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = rotl(s[3], 45);
+    return result;
+}
+
+uint64_t ts_rng_range(ts_rng *r, uint64_t lo, uint64_t hi) {
+    if (lo > hi) {
+        uint64_t t = lo;
+        lo = hi;
+        hi = t;
+    }
+    uint64_t span = hi - lo + 1;
+    if (span == 0)
+        return ts_rng_next(r); /* the whole 64-bit range */
+    /* Reject the 2^64 mod span lowest values: what is left is a whole number of spans. */
+    uint64_t reject = -span % span;
+    for (;;) {
+        uint64_t x = ts_rng_next(r);
+        if (x >= reject)
+            return lo + x % span;
+    }
+}
+
+/* ---- sanitizers ------------------------------------------------------------------------ */
+
+#if defined(__has_feature)
+#define TS_HAS_FEATURE(x) __has_feature(x)
+#else
+#define TS_HAS_FEATURE(x) 0
+#endif
+
+#if defined(__has_include)
+#if __has_include(<valgrind/valgrind.h>)
+#include <valgrind/valgrind.h>
+#define TS_HAVE_VALGRIND 1
+#endif
+#endif
+
+/* UBSan defines no macro; its runtime does define this handler. Weak: NULL without UBSan. */
+extern void __ubsan_handle_add_overflow(void) __attribute__((weak));
+
+bool ts_sanitized(void) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__) ||                               \
+    TS_HAS_FEATURE(address_sanitizer) || TS_HAS_FEATURE(thread_sanitizer) ||                       \
+    TS_HAS_FEATURE(memory_sanitizer)
+    return true;
+#else
+    if (__ubsan_handle_add_overflow)
+        return true;
+#if defined(TS_HAVE_VALGRIND)
+    if (RUNNING_ON_VALGRIND)
+        return true;
+#endif
+    return false;
+#endif
+}
+
+uint64_t ts_scaled(uint64_t n, uint64_t div) {
+    if (!ts_sanitized() || div <= 1)
+        return n;
+    uint64_t s = n / div;
+    return s ? s : (n ? 1 : 0);
+}

@@ -1,0 +1,49 @@
+/* Support shared by every test: a capturing logger, misuse and death helpers, a seeded RNG,
+ * and a scaled iteration count (fewer under sanitizers). Linked as one small static library. */
+#ifndef SP_TEST_SUPPORT_H
+#define SP_TEST_SUPPORT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "sp_log.h"
+#include "tap.h"
+
+/* Capturing logger: records the last message and counts per id. */
+typedef struct ts_log {
+    int count;            /* records seen since ts_log_capture / ts_log_reset */
+    sp_result last_id;
+    const void *last_addr;
+    char last_call[64];
+    char last_message[512];
+} ts_log;
+
+extern ts_log ts_logged;
+
+/* Route the library logger into ts_logged and make misuse non-fatal (release behaviour). */
+void ts_log_capture(void);
+void ts_log_reset(void);
+/* Back to stderr and the build's default misuse policy. */
+void ts_log_release(void);
+
+/* Run fn(arg) in a forked child with the build's default (fatal) misuse policy and stderr
+ * captured. Returns true if the child died by a signal (abort) and its stderr contained
+ * every non-NULL needle. */
+bool ts_dies(void (*fn)(void *), void *arg, const char *needle1, const char *needle2);
+
+/* xoshiro256** seeded from a 64-bit seed (splitmix64). */
+typedef struct ts_rng {
+    uint64_t s[4];
+} ts_rng;
+void ts_rng_seed(ts_rng *r, uint64_t seed);
+uint64_t ts_rng_next(ts_rng *r);
+/* Uniform in [lo, hi]. */
+uint64_t ts_rng_range(ts_rng *r, uint64_t lo, uint64_t hi);
+
+/* True when built with ASan, TSan or UBSan, or run under Valgrind: scale work down. */
+bool ts_sanitized(void);
+/* n, divided by `div` when sanitized. */
+uint64_t ts_scaled(uint64_t n, uint64_t div);
+
+#endif

@@ -1,0 +1,148 @@
+/* Bad input to the TLSF heap. First with misuse non-fatal (release behaviour): each bad call
+ * is reported with its id, call and address, returns the documented value, and leaves the heap
+ * exactly as it was. Then with misuse fatal (debug default), in forked children: the process
+ * dies with a message naming the call and the address. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "sp_tlsf.h"
+#include "test_support.h"
+#include "track.h"
+
+static sp_tlsf *heap;
+
+/* Status and check must be identical before and after a refused call. */
+static bool unchanged(const sp_tlsf_status *before) {
+    sp_tlsf_status now;
+    sp_tlsf_status_get(heap, &now);
+    return sp_tlsf_check(heap) == SP_OK && now.bytes_used == before->bytes_used &&
+           now.bytes_free == before->bytes_free && now.live_blocks == before->live_blocks &&
+           now.free_blocks == before->free_blocks;
+}
+
+/* Call free, realloc and usable_size with p; each must report `want` at p and change nothing. */
+static void refuse_all(void *p, sp_result want, const char *what) {
+    sp_tlsf_status before;
+    sp_tlsf_status_get(heap, &before);
+    ts_log_reset();
+    sp_tlsf_free(heap, p);
+    bool freed = ts_logged.count == 1 && ts_logged.last_id == want && ts_logged.last_addr == p &&
+                 strcmp(ts_logged.last_call, "sp_tlsf_free") == 0;
+    ok(freed && unchanged(&before), "free(%s): %s reported, heap unchanged", what, sp_result_name(want));
+    if (!freed) diag("  logged %d, last %s from %s", ts_logged.count, sp_result_name(ts_logged.last_id),
+                     ts_logged.last_call);
+    ts_log_reset();
+    void *q = sp_tlsf_realloc(heap, p, 100);
+    ok(q == NULL && ts_logged.last_id == want && strcmp(ts_logged.last_call, "sp_tlsf_realloc") == 0 &&
+           unchanged(&before),
+       "realloc(%s): NULL, reported, heap unchanged", what);
+    ts_log_reset();
+    size_t n = sp_tlsf_usable_size(heap, p);
+    ok(n == 0 && ts_logged.last_id == want && unchanged(&before), "usable_size(%s): 0, reported", what);
+}
+
+/* Read allocator metadata the way a forging caller would, without tripping ASan. */
+TRACK_INTERNAL static uint64_t peek(const void *addr) { return *(const volatile uint64_t *)addr; }
+
+static void *mem;
+static char *live, *big, *freed_alone, *freed_merged;
+
+static void setup(void) {
+    mem = aligned_alloc(64, 1 << 20);
+    sp_tlsf_desc d = {.memory = mem, .size = 1 << 20, .name = "misuse"};
+    heap = sp_tlsf_create(&d, NULL);
+    live = sp_tlsf_malloc(heap, 64);
+    big = sp_tlsf_malloc(heap, 4096);
+    char *sep1 = sp_tlsf_malloc(heap, 64);
+    freed_alone = sp_tlsf_malloc(heap, 64); /* freed between two live blocks: stays a block */
+    char *sep2 = sp_tlsf_malloc(heap, 64);
+    char *m1 = sp_tlsf_malloc(heap, 64);
+    freed_merged = sp_tlsf_malloc(heap, 64); /* freed after m1: merged into m1's free block */
+    char *sep3 = sp_tlsf_malloc(heap, 64);
+    (void)sep1, (void)sep2, (void)sep3;
+    sp_tlsf_free(heap, freed_alone);
+    sp_tlsf_free(heap, m1);
+    sp_tlsf_free(heap, freed_merged);
+}
+
+static void test_reported(void) {
+    ts_log_capture();
+    int on_stack = 0;
+    void *glibc = malloc(32);
+    refuse_all(freed_alone, SP_ERR_DOUBLE_FREE, "already freed");
+    refuse_all(freed_merged, SP_ERR_DOUBLE_FREE, "freed and merged");
+    refuse_all(&on_stack, SP_ERR_FOREIGN_POINTER, "stack address");
+    refuse_all(glibc, SP_ERR_FOREIGN_POINTER, "glibc block");
+    refuse_all(live + 1, SP_ERR_INVALID_POINTER, "misaligned");
+    refuse_all(big + 16, SP_ERR_INVALID_POINTER, "interior +16");
+    refuse_all(big + 1024, SP_ERR_INVALID_POINTER, "interior +1024");
+    refuse_all((char *)mem + 8, SP_ERR_FOREIGN_POINTER, "control structure (before the pools)");
+    free(glibc);
+
+    /* Interior pointer into a block whose contents imitate a header: still refused. */
+    memset(big, 0, 4096);
+    uint64_t header = peek((char *)live - 8); /* a real header word, at the wrong address */
+    memcpy(big + 512 - 8, &header, 8);
+    refuse_all(big + 512, SP_ERR_INVALID_POINTER, "forged header");
+
+    sp_tlsf_status before;
+    sp_tlsf_status_get(heap, &before);
+    ts_log_reset();
+    ok(sp_tlsf_aligned_alloc(heap, 3, 10) == NULL && ts_logged.last_id == SP_ERR_BAD_ALIGNMENT &&
+           unchanged(&before),
+       "aligned_alloc(3): NULL, reported");
+    ts_log_reset();
+    ok(sp_tlsf_malloc(heap, SIZE_MAX) == NULL && sp_tlsf_realloc(heap, live, SIZE_MAX - 15) == NULL &&
+           sp_tlsf_aligned_alloc(heap, 4096, SIZE_MAX - 4096) == NULL && unchanged(&before),
+       "sizes that overflow: NULL, heap unchanged");
+    ok(ts_logged.count == 0, "running out is not misuse: nothing logged");
+    ok(sp_tlsf_usable_size(heap, live) == 64, "the live block survived all of it");
+    ts_log_release();
+}
+
+typedef struct death {
+    void (*call)(void *p);
+    void *p;
+} death;
+
+static void do_free(void *p) { sp_tlsf_free(heap, p); }
+static void do_realloc(void *p) { (void)sp_tlsf_realloc(heap, p, 10); }
+static void run_death(void *arg) {
+    death *d = arg;
+    d->call(d->p);
+}
+
+static void test_fatal(void) {
+    struct {
+        void (*call)(void *);
+        void *p;
+        const char *name, *what;
+    } cases[] = {
+        {do_free, NULL, "sp_tlsf_free", "double free"},
+        {do_free, NULL, "sp_tlsf_free", "interior pointer"},
+        {do_free, NULL, "sp_tlsf_free", "foreign pointer"},
+        {do_realloc, NULL, "sp_tlsf_realloc", "realloc of a freed block"},
+    };
+    static int outside;
+    cases[0].p = freed_alone;
+    cases[1].p = big + 64;
+    cases[2].p = &outside;
+    cases[3].p = freed_merged;
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char addr[32];
+        snprintf(addr, sizeof addr, "%p", cases[i].p);
+        death d = {cases[i].call, cases[i].p};
+        ok(ts_dies(run_death, &d, cases[i].name, addr), "fatal misuse (%s) dies naming %s and %s",
+           cases[i].what, cases[i].name, addr);
+    }
+}
+
+int main(void) {
+    setup();
+    test_reported();
+    test_fatal();
+    sp_tlsf_free(heap, live);
+    sp_tlsf_free(heap, big);
+    return done();
+}
