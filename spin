@@ -24,6 +24,9 @@ DEBUG_OPTS=(--buildtype=debug -Ddebug_level=1 -Db_sanitize=address,undefined
             -Dbench=disabled)
 TSAN_ENV=(CC=clang-14 CXX=clang++-14)
 TSAN_OPTS=(--buildtype=debugoptimized -Db_sanitize=thread -Db_lundef=false -Dbench=disabled)
+VALGRIND_ENV=(CC=gcc CXX=g++)
+VALGRIND_OPTS=(--buildtype=debugoptimized -Ddebug_level=1 -Dvalgrind=true -Dbench=disabled
+               -Ddemos=false)
 FUZZ_ENV=(CC=clang-14 CXX=clang++-14)
 FUZZ_OPTS=(--buildtype=debugoptimized -Dfuzzing=true -Db_sanitize=address,undefined
            -Db_lundef=false -Dbench=disabled -Ddemos=false)
@@ -212,7 +215,7 @@ cmd_test() {
     local t_all
     t_all=$(now)
     # Stale logs of every build dir this command uses are removed up front.
-    rm -f build-{debug,tsan,release,fuzz}/meson-logs/{testlog,benchlog}*.json
+    rm -f build-{debug,tsan,release,valgrind,fuzz}/meson-logs/{testlog,benchlog}*.json
 
     heading "debug: gcc, ASan + UBSan, SP_DEBUG=1 -> suites unit, death"
     if build_step debug build-debug DEBUG_ENV DEBUG_OPTS; then
@@ -232,6 +235,11 @@ cmd_test() {
         else
             say "spin: no benchmarks registered in build-release (bench not built): smoke skipped"
         fi
+    fi
+
+    heading "valgrind: gcc, -Dvalgrind=true client requests -> suite valgrind"
+    if build_step valgrind build-valgrind VALGRIND_ENV VALGRIND_OPTS; then
+        test_step valgrind-tests build-valgrind testlog --suite valgrind
     fi
 
     heading "fuzz: clang-14 libFuzzer, ASan + UBSan -> suite fuzz"

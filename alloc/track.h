@@ -45,6 +45,15 @@ static inline void track_leave(void) {
 #endif
 }
 
+/* A value the allocator read from memory that may hold uninitialised user bytes (validating
+ * a caller's pointer): its bits are meaningful to the allocator whatever the user wrote. */
+static inline void track_value_defined(const void *p, size_t n) {
+#if TRACK_VALGRIND
+    VALGRIND_MAKE_MEM_DEFINED(p, n);
+#endif
+    (void)p, (void)n;
+}
+
 /* [p, p+n) now belongs to the allocator: any user access is reported. */
 static inline void track_pool(const void *p, size_t n) {
 #if TRACK_ASAN

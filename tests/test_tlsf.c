@@ -33,8 +33,17 @@ static sp_tlsf_status status(sp_tlsf *t) {
 }
 
 /* Write and read metadata the way a stray user write would, without tripping ASan. */
-TRACK_INTERNAL static uint64_t peek(const void *addr) { return *(const volatile uint64_t *)addr; }
-TRACK_INTERNAL static void poke(void *addr, uint64_t v) { *(volatile uint64_t *)addr = v; }
+TRACK_INTERNAL static uint64_t peek(const void *addr) {
+    track_enter();
+    uint64_t v = *(const volatile uint64_t *)addr;
+    track_leave();
+    return v;
+}
+TRACK_INTERNAL static void poke(void *addr, uint64_t v) {
+    track_enter();
+    *(volatile uint64_t *)addr = v;
+    track_leave();
+}
 
 static void test_create(void) {
     sp_result err = SP_OK;

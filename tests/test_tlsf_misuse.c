@@ -43,7 +43,12 @@ static void refuse_all(void *p, sp_result want, const char *what) {
 }
 
 /* Read allocator metadata the way a forging caller would, without tripping ASan. */
-TRACK_INTERNAL static uint64_t peek(const void *addr) { return *(const volatile uint64_t *)addr; }
+TRACK_INTERNAL static uint64_t peek(const void *addr) {
+    track_enter();
+    uint64_t v = *(const volatile uint64_t *)addr;
+    track_leave();
+    return v;
+}
 
 static void *mem;
 static char *live, *big, *freed_alone, *freed_merged;
