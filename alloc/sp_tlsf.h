@@ -42,20 +42,20 @@ extern "C" {
 typedef struct sp_tlsf sp_tlsf;
 
 typedef struct sp_tlsf_desc {
-    void *memory;  /* start of the memory; the control structure goes here */
-    size_t size;   /* bytes of memory (at least sp_tlsf_control_size() + a few KiB) */
-    bool locked;   /* true: every call takes one internal lock (central-heap use) */
+    void *memory;     /* start of the memory; the control structure goes here */
+    size_t size;      /* bytes of memory (at least sp_tlsf_control_size() + a few KiB) */
+    bool locked;      /* true: every call takes one internal lock (central-heap use) */
     const char *name; /* for messages; may be NULL */
 } sp_tlsf_desc;
 
 typedef struct sp_tlsf_status {
-    size_t bytes_used;    /* payload bytes of live blocks (granted sizes) */
-    size_t bytes_free;    /* payload bytes of free blocks */
-    size_t bytes_overhead;/* headers, control structure, pool ends */
-    size_t largest_free;  /* payload of the largest free block: exact when free space is in
-                             one block per size class at the top; otherwise at most 1/32
-                             (one second-level class) below the true largest. A request of
-                             this size succeeds. */
+    size_t bytes_used;     /* payload bytes of live blocks (granted sizes) */
+    size_t bytes_free;     /* payload bytes of free blocks */
+    size_t bytes_overhead; /* headers, control structure, pool ends */
+    size_t largest_free;   /* payload of the largest free block: exact when free space is in
+                              one block per size class at the top; otherwise at most 1/32
+                              (one second-level class) below the true largest. A request of
+                              this size succeeds. */
     size_t live_blocks;
     size_t free_blocks;
     size_t high_water;    /* peak of bytes_used since creation */

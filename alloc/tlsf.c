@@ -1,7 +1,7 @@
 /* The central heap: two-level segregated fit over caller-provided pools (see sp_tlsf.h).
  *
  * Every block starts with a 16-byte header; the payload follows. Physical neighbours are
- * found through the size (next) and the always-valid prev_phys pointer (previous); free
+ * found through the size (next) and the always-valid predecessor pointer (previous); free
  * blocks also sit on a doubly linked list per size class, the links stored in their payload.
  * Two bitmaps say which lists are non-empty, so finding a fitting block is two bit scans.
  *
@@ -14,6 +14,10 @@
  * predecessor's second word is fully determined by its address and ours. So free() and
  * malloc() load a neighbour's header only when they merge with it: no dependent cache miss
  * and no branch on one in the common case.
+ *
+ * malloc carves from the tail of the free block it finds, so that block keeps its header and,
+ * unless its size class changes, its place in its list. Lists are LIFO; only non-head entries
+ * keep a valid back link, so popping a head never touches its successor.
  */
 #include "sp_tlsf.h"
 
@@ -36,12 +40,12 @@ enum {
     SMALL_LIMIT = 1 << FL_SHIFT,
     FL_COUNT = 40 - FL_SHIFT + 1, /* block sizes below 2^40 */
     HEADER = 16,
-    MIN_PAYLOAD = 16,              /* room for the two free-list links */
+    MIN_PAYLOAD = 16, /* room for the two free-list links */
     MIN_BLOCK = HEADER + MIN_PAYLOAD,
 };
 
-#define FLAG_FREE ((uint64_t)1)      /* in size_flags */
-#define FLAG_NEXT_FREE ((uint64_t)2) /* in size_flags */
+#define FLAG_FREE ((uint64_t)1)       /* in size_flags */
+#define FLAG_NEXT_FREE ((uint64_t)2)  /* in size_flags */
 #define FLAG_PREV_FREE ((uintptr_t)1) /* in prev_word */
 #define SIZE_MASK ((((uint64_t)1 << 40) - 1) & ~(uint64_t)(ALIGN - 1))
 #define TAG_MASK (~(((uint64_t)1 << 40) - 1))
@@ -64,7 +68,7 @@ struct block {
 };
 
 typedef struct pool_range {
-    uintptr_t lo, hi;     /* first header .. end of the sentinel header */
+    uintptr_t lo, hi;          /* first header .. end of the sentinel header */
     uintptr_t first, last_off; /* payload addresses a: first <= a <= first + last_off */
 } pool_range;
 
@@ -95,8 +99,12 @@ struct sp_tlsf {
 TRACK_INTERNAL SP_INLINE uint64_t tag_of(const sp_tlsf *t, const block *b) {
     return (((uint64_t)(uintptr_t)b >> ALIGN_LOG2) ^ t->secret) << 40;
 }
-TRACK_INTERNAL SP_INLINE size_t block_size(const block *b) { return b->size_flags & SIZE_MASK; }
-TRACK_INTERNAL SP_INLINE bool block_is_free(const block *b) { return b->size_flags & FLAG_FREE; }
+TRACK_INTERNAL SP_INLINE size_t block_size(const block *b) {
+    return b->size_flags & SIZE_MASK;
+}
+TRACK_INTERNAL SP_INLINE bool block_is_free(const block *b) {
+    return b->size_flags & FLAG_FREE;
+}
 TRACK_INTERNAL SP_INLINE bool block_prev_is_free(const block *b) {
     return b->prev_word & FLAG_PREV_FREE;
 }
@@ -106,11 +114,12 @@ TRACK_INTERNAL SP_INLINE block *block_prev(const block *b) {
 TRACK_INTERNAL SP_INLINE bool block_next_is_free(const block *b) {
     return b->size_flags & FLAG_NEXT_FREE;
 }
-TRACK_INTERNAL SP_INLINE void block_set_flag(block *b, uint64_t flag, bool on) {
-    b->size_flags = (b->size_flags & ~flag) | (on ? flag : 0);
+TRACK_INTERNAL SP_INLINE void *block_payload(const block *b) {
+    return (char *)b + HEADER;
 }
-TRACK_INTERNAL SP_INLINE void *block_payload(const block *b) { return (char *)b + HEADER; }
-TRACK_INTERNAL SP_INLINE block *block_of(const void *p) { return (block *)((char *)p - HEADER); }
+TRACK_INTERNAL SP_INLINE block *block_of(const void *p) {
+    return (block *)((char *)p - HEADER);
+}
 TRACK_INTERNAL SP_INLINE block *block_next(const block *b) {
     return (block *)((char *)b + HEADER + block_size(b));
 }
@@ -150,7 +159,9 @@ TRACK_INTERNAL SP_INLINE void block_tell_prev(const sp_tlsf *t, block *b, bool b
 
 /* ---- size classes ------------------------------------------------------------------------ */
 
-TRACK_INTERNAL SP_INLINE unsigned bit_high(uint64_t x) { return 63u - (unsigned)__builtin_clzll(x); }
+TRACK_INTERNAL SP_INLINE unsigned bit_high(uint64_t x) {
+    return 63u - (unsigned)__builtin_clzll(x);
+}
 
 TRACK_INTERNAL SP_INLINE void mapping_insert(size_t size, unsigned *fl, unsigned *sl) {
     if (size < SMALL_LIMIT) {
@@ -407,7 +418,9 @@ SP_COLD static void report(const sp_tlsf *t, const char *call, const void *p, ve
 
 /* ---- pools --------------------------------------------------------------------------------- */
 
-size_t sp_tlsf_control_size(void) { return sp_align_up(sizeof(sp_tlsf), ALIGN); }
+size_t sp_tlsf_control_size(void) {
+    return sp_align_up(sizeof(sp_tlsf), ALIGN);
+}
 
 TRACK_INTERNAL static sp_result pool_add(sp_tlsf *t, void *memory, size_t size, const char *call) {
     if (!memory) return sp_misuse(SP_ERR_INVALID_ARG, call, memory, "NULL pool memory");
@@ -494,7 +507,7 @@ sp_result sp_tlsf_add_pool(sp_tlsf *t, void *memory, size_t size) {
  * class does not change, its place in its list; the new block's successor learns its new
  * predecessor. */
 TRACK_INTERNAL SP_INLINE void *block_carve_tail(sp_tlsf *t, block *b, unsigned fl, unsigned sl,
-                                               size_t want) {
+                                                size_t want) {
     size_t rest = block_size(b) - want - HEADER;
     list_resize_at(t, b, fl, sl, rest);
     block *a = block_next(b);
@@ -526,7 +539,9 @@ TRACK_INTERNAL static void *heap_malloc(sp_tlsf *t, size_t size) {
     return p;
 }
 
-void *sp_tlsf_malloc(sp_tlsf *t, size_t size) { return heap_malloc(t, size); }
+void *sp_tlsf_malloc(sp_tlsf *t, size_t size) {
+    return heap_malloc(t, size);
+}
 
 TRACK_INTERNAL void *sp_tlsf_aligned_alloc(sp_tlsf *t, size_t align, size_t size) {
     if (!sp_is_pow2(align) || align > MAX_ALIGN) {
@@ -600,7 +615,8 @@ TRACK_INTERNAL void *sp_tlsf_realloc(sp_tlsf *t, void *p, size_t size) {
     bool locked = heap_lock(t);
     verdict v = block_check_live(t, p);
     size_t old = v.b ? block_size(v.b) : 0;
-    bool done = v.b && size <= SP_TLSF_MAX_BLOCK && block_resize_in_place(t, v.b, adjust_size(size));
+    bool done =
+        v.b && size <= SP_TLSF_MAX_BLOCK && block_resize_in_place(t, v.b, adjust_size(size));
     heap_unlock(t, locked);
     if (SP_UNLIKELY(!v.b)) {
         report(t, "sp_tlsf_realloc", p, v);
@@ -625,7 +641,9 @@ TRACK_INTERNAL size_t sp_tlsf_usable_size(sp_tlsf *t, const void *p) {
     return size;
 }
 
-bool sp_tlsf_owns(const sp_tlsf *t, const void *p) { return t && pool_of(t, p) != NULL; }
+bool sp_tlsf_owns(const sp_tlsf *t, const void *p) {
+    return t && pool_of(t, p) != NULL;
+}
 
 /* ---- status, walk, check ------------------------------------------------------------------- */
 
@@ -666,13 +684,13 @@ TRACK_INTERNAL void sp_tlsf_walk(sp_tlsf *t, sp_tlsf_walker fn, void *user) {
     heap_unlock(t, locked);
 }
 
-#define CHECK(cond, addr, ...)                                                  \
-    do {                                                                        \
-        if (SP_UNLIKELY(!(cond))) {                                             \
-            bad = (addr);                                                       \
-            snprintf(why, sizeof why, __VA_ARGS__);                             \
-            goto fail;                                                          \
-        }                                                                       \
+#define CHECK(cond, addr, ...)                                                                     \
+    do {                                                                                           \
+        if (SP_UNLIKELY(!(cond))) {                                                                \
+            bad = (addr);                                                                          \
+            snprintf(why, sizeof why, __VA_ARGS__);                                                \
+            goto fail;                                                                             \
+        }                                                                                          \
     } while (0)
 
 TRACK_INTERNAL sp_result sp_tlsf_check(sp_tlsf *t) {
@@ -697,8 +715,10 @@ TRACK_INTERNAL sp_result sp_tlsf_check(sp_tlsf *t) {
             CHECK(size <= (uintptr_t)end - (uintptr_t)block_payload(b), b, "block runs off pool");
             bool is_free = block_is_free(b);
             CHECK(!(is_free && prev_free), b, "two neighbouring free blocks were not merged");
-            if (is_free) free_bytes += size, free_count++;
-            else used += size, live++;
+            if (is_free)
+                free_bytes += size, free_count++;
+            else
+                used += size, live++;
             prev = b;
             prev_free = is_free;
         }
@@ -724,8 +744,8 @@ TRACK_INTERNAL sp_result sp_tlsf_check(sp_tlsf *t) {
                 CHECK(!prev || b->prev_free == prev, b, "prev_free link broken");
                 unsigned f, s;
                 mapping_insert(block_size(b), &f, &s);
-                CHECK(f == fl && s == sl, b, "block of size %zu on list (%u,%u)", block_size(b),
-                      fl, sl);
+                CHECK(f == fl && s == sl, b, "block of size %zu on list (%u,%u)", block_size(b), fl,
+                      sl);
             }
         }
     }

@@ -101,8 +101,10 @@ static inline void track_free(const void *p, size_t n) {
 /* The live block at p changed size in place from old_n to new_n bytes. */
 static inline void track_resize(const void *p, size_t old_n, size_t new_n) {
 #if TRACK_ASAN
-    if (new_n > old_n) ASAN_UNPOISON_MEMORY_REGION((const char *)p + old_n, new_n - old_n);
-    else ASAN_POISON_MEMORY_REGION((const char *)p + new_n, old_n - new_n);
+    if (new_n > old_n)
+        ASAN_UNPOISON_MEMORY_REGION((const char *)p + old_n, new_n - old_n);
+    else
+        ASAN_POISON_MEMORY_REGION((const char *)p + new_n, old_n - new_n);
 #endif
 #if TRACK_VALGRIND
     VALGRIND_RESIZEINPLACE_BLOCK(p, old_n, new_n, 0);

@@ -39,7 +39,7 @@ void bench_pause_timing(bench_state *st);
 void bench_resume_timing(bench_state *st);
 
 enum bench_counter_flags {
-    BENCH_COUNTER_DEFAULT = 0,   /* summed over the threads of the benchmark */
+    BENCH_COUNTER_DEFAULT = 0,     /* summed over the threads of the benchmark */
     BENCH_COUNTER_AVG_THREADS = 1, /* averaged over threads (benchmark::Counter::kAvgThreads) */
 };
 
@@ -69,8 +69,7 @@ bool bench_take_flag(int *argc, char **argv, const char *flag);
 int bench_main(int argc, char **argv);
 
 /* Make the compiler assume `p` and everything reachable from it is read and written here. */
-static inline void bench_escape(const void *p)
-{
+static inline void bench_escape(const void *p) {
     __asm__ volatile("" : : "r"(p) : "memory");
 }
 

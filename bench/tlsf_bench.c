@@ -60,9 +60,9 @@ static const tlsf_case cases[] = {
 
 /* Run configuration, fixed before registration. */
 static struct {
-    size_t pairs;     /* pairs in one pass over the stream */
-    int64_t passes;   /* timed passes per batch (one Google Benchmark iteration each); latency: 1 */
-    uint32_t live_cap;/* smoke: fewer live blocks */
+    size_t pairs;   /* pairs in one pass over the stream */
+    int64_t passes; /* timed passes per batch (one Google Benchmark iteration each); latency: 1 */
+    uint32_t live_cap; /* smoke: fewer live blocks */
     bool smoke;
 } cfg = {1u << 20, 4, UINT32_MAX, false};
 
@@ -78,8 +78,7 @@ typedef struct region {
     size_t size;
 } region;
 
-static void *region_get(region *r, size_t bytes)
-{
+static void *region_get(region *r, size_t bytes) {
     size_t page = sp_page_size();
     r->size = (bytes + page - 1) / page * page;
     r->p = sp_vm_reserve(r->size, 0, false, NULL);
@@ -90,10 +89,8 @@ static void *region_get(region *r, size_t bytes)
     return r->p;
 }
 
-static void region_put(region *r)
-{
-    if (r->p)
-        sp_vm_release(r->p, r->size);
+static void region_put(region *r) {
+    if (r->p) sp_vm_release(r->p, r->size);
     r->p = NULL;
 }
 
@@ -113,13 +110,11 @@ static uint32_t rng_below(uint64_t *s, uint32_t n) /* [0, n), multiply-shift */
 }
 
 /* Sizes of the initial live blocks, then `pairs` ops; identical for every allocator. */
-static void stream_fill(const tlsf_case *c, uint32_t live, int thread, uint32_t *fill,
-                        pair_op *ops, size_t pairs)
-{
+static void stream_fill(const tlsf_case *c, uint32_t live, int thread, uint32_t *fill, pair_op *ops,
+                        size_t pairs) {
     uint64_t s = SEED ^ ((uint64_t)(c - cases) << 32) ^ (uint64_t)thread << 48;
     uint32_t span = c->max_size - c->min_size + 1;
-    for (uint32_t i = 0; i < live; i++)
-        fill[i] = c->min_size + rng_below(&s, span);
+    for (uint32_t i = 0; i < live; i++) fill[i] = c->min_size + rng_below(&s, span);
     for (size_t i = 0; i < pairs; i++) {
         ops[i].slot = rng_below(&s, live);
         ops[i].size = c->min_size + rng_below(&s, span);
@@ -128,13 +123,11 @@ static void stream_fill(const tlsf_case *c, uint32_t live, int thread, uint32_t 
 
 /* ---- the allocator under test: one branch on a constant, inlined away ------------------ */
 
-static inline __attribute__((always_inline)) void *who_malloc(bool spindle, sp_tlsf *h, size_t n)
-{
+static inline __attribute__((always_inline)) void *who_malloc(bool spindle, sp_tlsf *h, size_t n) {
     return spindle ? sp_tlsf_malloc(h, n) : malloc(n);
 }
 
-static inline __attribute__((always_inline)) void who_free(bool spindle, sp_tlsf *h, void *p)
-{
+static inline __attribute__((always_inline)) void who_free(bool spindle, sp_tlsf *h, void *p) {
     if (spindle)
         sp_tlsf_free(h, p);
     else
@@ -143,12 +136,10 @@ static inline __attribute__((always_inline)) void who_free(bool spindle, sp_tlsf
 
 /* Allocate the initial live blocks. Returns false if an allocation failed. */
 static inline __attribute__((always_inline)) bool prefill(bool spindle, sp_tlsf *h, void **slots,
-                                                          const uint32_t *fill, uint32_t live)
-{
+                                                          const uint32_t *fill, uint32_t live) {
     for (uint32_t i = 0; i < live; i++) {
         void *p = who_malloc(spindle, h, fill[i]);
-        if (!p)
-            return false;
+        if (!p) return false;
         *(volatile uint64_t *)p = fill[i];
         slots[i] = p;
     }
@@ -157,15 +148,13 @@ static inline __attribute__((always_inline)) bool prefill(bool spindle, sp_tlsf 
 
 /* One pass over the stream. Returns false if an allocation failed (slot left NULL). */
 static inline __attribute__((always_inline)) bool pass_run(bool spindle, sp_tlsf *h, void **slots,
-                                                           const pair_op *ops, size_t pairs)
-{
+                                                           const pair_op *ops, size_t pairs) {
     for (size_t i = 0; i < pairs; i++) {
         void **s = &slots[ops[i].slot];
         who_free(spindle, h, *s);
         void *p = who_malloc(spindle, h, ops[i].size);
         *s = p;
-        if (__builtin_expect(p == NULL, 0))
-            return false;
+        if (__builtin_expect(p == NULL, 0)) return false;
         *(uint64_t *)p = ops[i].size;
     }
     bench_escape(slots);
@@ -173,10 +162,9 @@ static inline __attribute__((always_inline)) bool pass_run(bool spindle, sp_tlsf
 }
 
 /* One pass timing each free and each malloc: ticks[2i] = free, ticks[2i+1] = malloc. */
-static inline __attribute__((always_inline)) bool pass_timed(bool spindle, sp_tlsf *h,
-                                                             void **slots, const pair_op *ops,
-                                                             size_t pairs, uint32_t *ticks)
-{
+static inline __attribute__((always_inline)) bool pass_timed(bool spindle, sp_tlsf *h, void **slots,
+                                                             const pair_op *ops, size_t pairs,
+                                                             uint32_t *ticks) {
     for (size_t i = 0; i < pairs; i++) {
         void **s = &slots[ops[i].slot];
         uint64_t t0 = sp_ticks();
@@ -185,8 +173,7 @@ static inline __attribute__((always_inline)) bool pass_timed(bool spindle, sp_tl
         void *p = who_malloc(spindle, h, ops[i].size);
         uint64_t t2 = sp_ticks();
         *s = p;
-        if (__builtin_expect(p == NULL, 0))
-            return false;
+        if (__builtin_expect(p == NULL, 0)) return false;
         *(uint64_t *)p = ops[i].size;
         ticks[2 * i] = t1 - t0 > UINT32_MAX ? UINT32_MAX : (uint32_t)(t1 - t0);
         ticks[2 * i + 1] = t2 - t1 > UINT32_MAX ? UINT32_MAX : (uint32_t)(t2 - t1);
@@ -196,8 +183,7 @@ static inline __attribute__((always_inline)) bool pass_timed(bool spindle, sp_tl
 }
 
 static inline __attribute__((always_inline)) void drain(bool spindle, sp_tlsf *h, void **slots,
-                                                        uint32_t live)
-{
+                                                        uint32_t live) {
     for (uint32_t i = 0; i < live; i++) {
         who_free(spindle, h, slots[i]);
         slots[i] = NULL;
@@ -205,25 +191,21 @@ static inline __attribute__((always_inline)) void drain(bool spindle, sp_tlsf *h
 }
 
 /* The two instantiations: direct calls, no function pointers in the timed loops. */
-#define WHO_FUNCS(tag, spindle)                                                                \
-    static __attribute__((noinline)) bool prefill_##tag(sp_tlsf *h, void **s, const uint32_t *f, \
-                                                        uint32_t n)                            \
-    {                                                                                          \
-        return prefill(spindle, h, s, f, n);                                                   \
-    }                                                                                          \
-    static __attribute__((noinline)) bool pass_##tag(sp_tlsf *h, void **s, const pair_op *o,   \
-                                                     size_t n)                                 \
-    {                                                                                          \
-        return pass_run(spindle, h, s, o, n);                                                  \
-    }                                                                                          \
-    static __attribute__((noinline)) bool timed_##tag(sp_tlsf *h, void **s, const pair_op *o,  \
-                                                      size_t n, uint32_t *t)                   \
-    {                                                                                          \
-        return pass_timed(spindle, h, s, o, n, t);                                             \
-    }                                                                                          \
-    static __attribute__((noinline)) void drain_##tag(sp_tlsf *h, void **s, uint32_t n)        \
-    {                                                                                          \
-        drain(spindle, h, s, n);                                                               \
+#define WHO_FUNCS(tag, spindle)                                                                    \
+    static __attribute__((noinline)) bool prefill_##tag(sp_tlsf *h, void **s, const uint32_t *f,   \
+                                                        uint32_t n) {                              \
+        return prefill(spindle, h, s, f, n);                                                       \
+    }                                                                                              \
+    static __attribute__((noinline)) bool pass_##tag(sp_tlsf *h, void **s, const pair_op *o,       \
+                                                     size_t n) {                                   \
+        return pass_run(spindle, h, s, o, n);                                                      \
+    }                                                                                              \
+    static __attribute__((noinline)) bool timed_##tag(sp_tlsf *h, void **s, const pair_op *o,      \
+                                                      size_t n, uint32_t *t) {                     \
+        return pass_timed(spindle, h, s, o, n, t);                                                 \
+    }                                                                                              \
+    static __attribute__((noinline)) void drain_##tag(sp_tlsf *h, void **s, uint32_t n) {          \
+        drain(spindle, h, s, n);                                                                   \
     }
 WHO_FUNCS(spindle, true)
 WHO_FUNCS(process, false)
@@ -237,23 +219,19 @@ typedef struct who_ops {
     void (*drain)(sp_tlsf *, void **, uint32_t);
 } who_ops;
 
-static const who_ops who_spindle = {"spindle", true, prefill_spindle, pass_spindle,
-                                    timed_spindle, drain_spindle};
-static const who_ops who_process = {PEER_NAME, false, prefill_process, pass_process,
-                                    timed_process, drain_process};
+static const who_ops who_spindle = {"spindle",    true,          prefill_spindle,
+                                    pass_spindle, timed_spindle, drain_spindle};
+static const who_ops who_process = {PEER_NAME,    false,         prefill_process,
+                                    pass_process, timed_process, drain_process};
 
 /* ---- percentiles ----------------------------------------------------------------------- */
 
-static void radix_sort_u32(uint32_t *a, uint32_t *tmp, size_t n)
-{
+static void radix_sort_u32(uint32_t *a, uint32_t *tmp, size_t n) {
     for (int shift = 0; shift < 32; shift += 8) {
         size_t count[257] = {0};
-        for (size_t i = 0; i < n; i++)
-            count[((a[i] >> shift) & 0xff) + 1]++;
-        for (int b = 0; b < 256; b++)
-            count[b + 1] += count[b];
-        for (size_t i = 0; i < n; i++)
-            tmp[count[(a[i] >> shift) & 0xff]++] = a[i];
+        for (size_t i = 0; i < n; i++) count[((a[i] >> shift) & 0xff) + 1]++;
+        for (int b = 0; b < 256; b++) count[b + 1] += count[b];
+        for (size_t i = 0; i < n; i++) tmp[count[(a[i] >> shift) & 0xff]++] = a[i];
         uint32_t *t = a;
         a = tmp;
         tmp = t;
@@ -262,14 +240,12 @@ static void radix_sort_u32(uint32_t *a, uint32_t *tmp, size_t n)
 }
 
 /* Nearest-rank percentile q (0 < q <= 1) of sorted[0..n). */
-static uint32_t rank(const uint32_t *sorted, size_t n, double q)
-{
+static uint32_t rank(const uint32_t *sorted, size_t n, double q) {
     size_t k = (size_t)(q * (double)n + 0.999999);
     return sorted[(k == 0 ? 1 : k > n ? n : k) - 1];
 }
 
-static void latency_counters(bench_state *st, uint32_t *ticks, uint32_t *tmp, size_t pairs)
-{
+static void latency_counters(bench_state *st, uint32_t *ticks, uint32_t *tmp, size_t pairs) {
     static const struct {
         const char *name;
         double q;
@@ -311,8 +287,7 @@ typedef struct bench_arg {
     const who_ops *who;
 } bench_arg;
 
-static void run_case(bench_state *st, const void *varg)
-{
+static void run_case(bench_state *st, const void *varg) {
     const bench_arg *arg = varg;
     const tlsf_case *c = arg->c;
     const who_ops *who = arg->who;
@@ -360,8 +335,7 @@ static void run_case(bench_state *st, const void *varg)
 
     if (c->latency) {
         bool ok = true; /* one pass per batch; a later batch overwrites the samples */
-        while (ok && bench_keep_running_batch(st, 1))
-            ok = who->timed(h, slots, ops, pairs, ticks);
+        while (ok && bench_keep_running_batch(st, 1)) ok = who->timed(h, slots, ops, pairs, ticks);
         if (!ok) {
             err = "allocation failed (out of memory?)";
             goto out_drain;
@@ -408,14 +382,12 @@ out_heap:
     region_put(&heap_mem);
 out_mem:
     region_put(&mem);
-    if (err)
-        bench_skip_with_error(st, err);
+    if (err) bench_skip_with_error(st, err);
 }
 
 /* ---- is the process malloc the one this binary claims? ---------------------------------- */
 
-static bool process_malloc_verify(void)
-{
+static bool process_malloc_verify(void) {
     Dl_info info = {0};
     void *sym = dlsym(RTLD_DEFAULT, "malloc");
     if (!sym || !dladdr(sym, &info) || !info.dli_fname || !strstr(info.dli_fname, PEER_LIB)) {
@@ -436,11 +408,10 @@ static bool process_malloc_verify(void)
     p = malloc(4096);
     bench_escape(p);
     len = sizeof after;
-    owned = owned && mallctl("thread.allocated", &after, &len, NULL, 0) == 0 &&
-            after >= before + 4096;
+    owned =
+        owned && mallctl("thread.allocated", &after, &len, NULL, 0) == 0 && after >= before + 4096;
     len = sizeof version;
-    if (mallctl("version", &version, &len, NULL, 0) != 0)
-        version = "?";
+    if (mallctl("version", &version, &len, NULL, 0) != 0) version = "?";
 #elif defined(BENCH_PEER_TCMALLOC)
     owned = MallocExtension_GetOwnership(p) == MallocExtension_kOwned;
     version = tc_version(NULL, NULL, NULL);
@@ -462,8 +433,7 @@ static bool process_malloc_verify(void)
     return true;
 }
 
-int main(int argc, char **argv)
-{
+int main(int argc, char **argv) {
     const char *env = getenv("BENCH_SMOKE");
     cfg.smoke = bench_take_flag(&argc, argv, "--smoke") || (env && env[0] && env[0] != '0');
     if (cfg.smoke) {
@@ -471,8 +441,7 @@ int main(int argc, char **argv)
         cfg.passes = 1;
         cfg.live_cap = 10000;
     }
-    if (!process_malloc_verify())
-        return 1;
+    if (!process_malloc_verify()) return 1;
 
     /* Cases interleaved by WHO so that the figures compared sit close together in time. */
     enum { NCASES = sizeof cases / sizeof cases[0] };

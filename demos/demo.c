@@ -52,27 +52,22 @@ static uint64_t rng_next(uint64_t *s) {
 static size_t size_pick(uint64_t *rng) {
     uint64_t r = rng_next(rng);
     switch (r % 16) {
-    case 0:
-        return (size_t)(r >> 8) % (256 * 1024) + 1; /* up to 256 KiB */
+    case 0: return (size_t)(r >> 8) % (256 * 1024) + 1; /* up to 256 KiB */
     case 1:
-    case 2:
-        return (size_t)(r >> 8) % 16384 + 1; /* up to 16 KiB */
-    default:
-        return (size_t)(r >> 8) % 512; /* 0..511 bytes */
+    case 2: return (size_t)(r >> 8) % 16384 + 1; /* up to 16 KiB */
+    default: return (size_t)(r >> 8) % 512;      /* 0..511 bytes */
     }
 }
 
 /* Whether all `size` bytes of a block still hold `fill`. */
 static bool block_intact(const uint8_t *p, size_t size, uint8_t fill) {
     for (size_t i = 0; i < size; i++)
-        if (p[i] != fill)
-            return false;
+        if (p[i] != fill) return false;
     return true;
 }
 
 static void slot_release(worker *w, slot *s) {
-    if (!block_intact(s->ptr, s->size, s->fill))
-        w->damaged++;
+    if (!block_intact(s->ptr, s->size, s->fill)) w->damaged++;
     sp_tlsf_free(w->heap, s->ptr);
     s->ptr = NULL;
 }
@@ -85,8 +80,7 @@ static void slot_fill(worker *w, slot *s) {
     if (r % 8 == 0) {
         size_t align = (size_t)16 << (r >> 8) % 9; /* 16 B .. 4 KiB */
         p = sp_tlsf_aligned_alloc(w->heap, align, size);
-        if (p && ((uintptr_t)p & (align - 1)) != 0)
-            w->damaged++;
+        if (p && ((uintptr_t)p & (align - 1)) != 0) w->damaged++;
     } else {
         p = sp_tlsf_malloc(w->heap, size);
     }
@@ -103,16 +97,14 @@ static void slot_fill(worker *w, slot *s) {
 /* Grow or shrink a live block; the kept prefix must survive, the rest is refilled. */
 static void slot_resize(worker *w, slot *s) {
     size_t size = size_pick(&w->rng);
-    if (size == 0)
-        size = 1; /* realloc(p, 0) frees: keep this a resize */
+    if (size == 0) size = 1; /* realloc(p, 0) frees: keep this a resize */
     uint8_t *p = sp_tlsf_realloc(w->heap, s->ptr, size);
     if (!p) {
         w->out_of_memory++; /* the old block is untouched and still ours */
         return;
     }
     size_t kept = size < s->size ? size : s->size;
-    if (!block_intact(p, kept, s->fill))
-        w->damaged++;
+    if (!block_intact(p, kept, s->fill)) w->damaged++;
     memset(p, s->fill, size);
     s->ptr = p;
     s->size = size;
@@ -134,19 +126,15 @@ static void *worker_main(void *arg) {
         }
     }
     for (size_t i = 0; i < SLOTS; i++)
-        if (w->slots[i].ptr)
-            slot_release(w, &w->slots[i]);
+        if (w->slots[i].ptr) slot_release(w, &w->slots[i]);
     return NULL;
 }
 
 static const char *page_kind_name(sp_page_kind k) {
     switch (k) {
-    case SP_PAGES_HUGE:
-        return "explicit huge pages (MAP_HUGETLB)";
-    case SP_PAGES_TRANSPARENT:
-        return "base pages with transparent huge pages requested";
-    default:
-        return "base pages";
+    case SP_PAGES_HUGE: return "explicit huge pages (MAP_HUGETLB)";
+    case SP_PAGES_TRANSPARENT: return "base pages with transparent huge pages requested";
+    default: return "base pages";
     }
 }
 
@@ -205,8 +193,7 @@ int main(int argc, char **argv) {
     }
 
     workers = calloc((size_t)nthreads, sizeof *workers);
-    if (!workers)
-        goto out;
+    if (!workers) goto out;
     printf("%d threads doing random malloc/free/realloc/aligned_alloc on one locked TLSF heap "
            "for %.1f s (%" PRIu32 " CPUs)\n",
            nthreads, seconds, sp_cpu_count());
@@ -231,8 +218,7 @@ int main(int argc, char **argv) {
         sleep_until(next);
         status_print(heap, (double)(sp_time_ns() - t0) / 1e9);
     }
-    if (started == nthreads)
-        sleep_until(end);
+    if (started == nthreads) sleep_until(end);
     status_print(heap, (double)(sp_time_ns() - t0) / 1e9);
     atomic_store(&stop, true);
 
@@ -271,15 +257,12 @@ int main(int argc, char **argv) {
         printf("FAIL: sp_tlsf_destroy reports %zu live blocks\n", leaked);
         ok = false;
     }
-    if (ok)
-        printf("ok: heap check passed, every block freed\n");
+    if (ok) printf("ok: heap check passed, every block freed\n");
     status = ok ? 0 : 1;
 
 out:
-    if (heap)
-        sp_tlsf_destroy(heap);
+    if (heap) sp_tlsf_destroy(heap);
     free(workers);
-    if (memory)
-        sp_vm_release(memory, HEAP_BYTES);
+    if (memory) sp_vm_release(memory, HEAP_BYTES);
     return status;
 }

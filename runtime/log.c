@@ -126,5 +126,9 @@ sp_result sp_misuse(sp_result id, const char *call, const void *addr, const char
     return id;
 }
 
-void sp_misuse_set_fatal(bool fatal) { atomic_store(&misuse_fatal_flag, fatal); }
-bool sp_misuse_fatal(void) { return atomic_load(&misuse_fatal_flag); }
+void sp_misuse_set_fatal(bool fatal) {
+    atomic_store(&misuse_fatal_flag, fatal);
+}
+bool sp_misuse_fatal(void) {
+    return atomic_load(&misuse_fatal_flag);
+}

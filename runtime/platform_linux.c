@@ -68,8 +68,7 @@ size_t sp_page_size(void) {
 /* "Hugepagesize:    2048 kB" from /proc/meminfo; 0 when absent. Cost: a file read. */
 static size_t meminfo_huge_size(void) {
     FILE *f = fopen("/proc/meminfo", "re");
-    if (!f)
-        return 0;
+    if (!f) return 0;
     char line[256];
     size_t kib = 0;
     while (fgets(line, sizeof line, f)) {
@@ -88,8 +87,7 @@ size_t sp_huge_page_size(void) {
     size_t s = __atomic_load_n(&huge_size_cached, __ATOMIC_RELAXED);
     if (SP_UNLIKELY(s == 0)) {
         s = meminfo_huge_size();
-        if (s == 0)
-            s = SIZE_MAX;
+        if (s == 0) s = SIZE_MAX;
         __atomic_store_n(&huge_size_cached, s, __ATOMIC_RELAXED);
     }
     return s == SIZE_MAX ? 0 : s;
@@ -99,8 +97,7 @@ size_t sp_huge_page_size(void) {
  * Read on every huge reservation (the setting can change at run time). */
 static bool thp_enabled(void) {
     FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/enabled", "re");
-    if (!f)
-        return false;
+    if (!f) return false;
     char line[128] = {0};
     bool on = fgets(line, sizeof line, f) && !strstr(line, "[never]");
     fclose(f);
@@ -122,18 +119,15 @@ static void *region_map(size_t size, size_t align, size_t granule, int prot, int
         return NULL;
     }
     void *raw = mmap(NULL, span, prot, flags, -1, 0);
-    if (raw == MAP_FAILED)
-        return NULL;
+    if (raw == MAP_FAILED) return NULL;
     uintptr_t base = (uintptr_t)raw;
     uintptr_t aligned = sp_align_up(base, align);
     size_t head = aligned - base;
     size_t tail = span - head - size;
     /* Trimming cannot fail for whole granules of a mapping we own; a failure only leaks
      * address space, so it is not worth failing the reservation for. */
-    if (head)
-        munmap(raw, head);
-    if (tail)
-        munmap((void *)(aligned + size), tail);
+    if (head) munmap(raw, head);
+    if (tail) munmap((void *)(aligned + size), tail);
     return (void *)aligned;
 }
 
@@ -145,16 +139,14 @@ static size_t size_round(size_t x, size_t a) {
 
 void *sp_vm_reserve(size_t size, size_t align, bool huge, sp_page_kind *granted) {
     const size_t page = sp_page_size();
-    if (align == 0)
-        align = page;
+    if (align == 0) align = page;
     if (SP_UNLIKELY(!sp_is_pow2(align) || size == 0)) {
         sp_misuse(SP_ERR_INVALID_ARG, "sp_vm_reserve", NULL,
                   "size %zu, align %zu: size must be non-zero and align a power of two", size,
                   align);
         return NULL;
     }
-    if (align < page)
-        align = page;
+    if (align < page) align = page;
     size_t rounded = size_round(size, page);
     if (SP_UNLIKELY(rounded == 0)) {
         sp_log(SP_LOG_WARN, SP_ERR_OVERFLOW, "sp_vm_reserve", NULL, "size %zu overflows", size);
@@ -170,8 +162,7 @@ void *sp_vm_reserve(size_t size, size_t align, bool huge, sp_page_kind *granted)
             void *p = region_map(hrounded, align, hsize, PROT_READ | PROT_WRITE,
                                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB);
             if (p) {
-                if (granted)
-                    *granted = SP_PAGES_HUGE;
+                if (granted) *granted = SP_PAGES_HUGE;
                 return p;
             }
         }
@@ -180,8 +171,7 @@ void *sp_vm_reserve(size_t size, size_t align, bool huge, sp_page_kind *granted)
             region_map(rounded, align > hsize ? align : hsize, page, PROT_NONE, reserve_flags);
         if (p) {
             bool thp = madvise(p, rounded, MADV_HUGEPAGE) == 0 && thp_enabled();
-            if (granted)
-                *granted = thp ? SP_PAGES_TRANSPARENT : SP_PAGES_NORMAL;
+            if (granted) *granted = thp ? SP_PAGES_TRANSPARENT : SP_PAGES_NORMAL;
             return p;
         }
         /* 3. Fall through: the huge alignment may be what the OS refused. */
@@ -191,34 +181,29 @@ void *sp_vm_reserve(size_t size, size_t align, bool huge, sp_page_kind *granted)
         os_fail("sp_vm_reserve", NULL, "mmap", rounded, errno);
         return NULL;
     }
-    if (granted)
-        *granted = SP_PAGES_NORMAL;
+    if (granted) *granted = SP_PAGES_NORMAL;
     return p;
 }
 
 /* Misuse check shared by commit/decommit/guard: non-NULL, page-aligned pointer and size. */
 static bool range_valid(const char *call, const void *p, size_t size) {
     const size_t mask = sp_page_size() - 1;
-    if (SP_LIKELY(p && ((uintptr_t)p & mask) == 0 && (size & mask) == 0))
-        return true;
+    if (SP_LIKELY(p && ((uintptr_t)p & mask) == 0 && (size & mask) == 0)) return true;
     sp_misuse(SP_ERR_INVALID_ARG, call, p, "range %p + %zu is not page-aligned (page %zu)", p, size,
               mask + 1);
     return false;
 }
 
 sp_result sp_vm_commit(void *p, size_t size) {
-    if (SP_UNLIKELY(!range_valid("sp_vm_commit", p, size)))
-        return SP_ERR_INVALID_ARG;
+    if (SP_UNLIKELY(!range_valid("sp_vm_commit", p, size))) return SP_ERR_INVALID_ARG;
     if (SP_UNLIKELY(mprotect(p, size, PROT_READ | PROT_WRITE) != 0))
         return os_fail("sp_vm_commit", p, "mprotect(RW)", size, errno);
     return SP_OK;
 }
 
 sp_result sp_vm_decommit(void *p, size_t size) {
-    if (SP_UNLIKELY(!range_valid("sp_vm_decommit", p, size)))
-        return SP_ERR_INVALID_ARG;
-    if (size == 0)
-        return SP_OK;
+    if (SP_UNLIKELY(!range_valid("sp_vm_decommit", p, size))) return SP_ERR_INVALID_ARG;
+    if (size == 0) return SP_OK;
     /* Mapping fresh PROT_NONE pages over the range drops the old pages and the access in one
      * step: no window where the range is accessible but already zeroed, no RSS left behind
      * (unlike MADV_FREE), and the reservation stays NORESERVE. */
@@ -230,16 +215,14 @@ sp_result sp_vm_decommit(void *p, size_t size) {
 }
 
 sp_result sp_vm_guard(void *p, size_t size) {
-    if (SP_UNLIKELY(!range_valid("sp_vm_guard", p, size)))
-        return SP_ERR_INVALID_ARG;
+    if (SP_UNLIKELY(!range_valid("sp_vm_guard", p, size))) return SP_ERR_INVALID_ARG;
     if (SP_UNLIKELY(mprotect(p, size, PROT_NONE) != 0))
         return os_fail("sp_vm_guard", p, "mprotect(NONE)", size, errno);
     return SP_OK;
 }
 
 void sp_vm_release(void *p, size_t size) {
-    if (!p)
-        return;
+    if (!p) return;
     const size_t page = sp_page_size();
     if (SP_UNLIKELY(((uintptr_t)p & (page - 1)) != 0 || size == 0)) {
         sp_misuse(SP_ERR_INVALID_ARG, "sp_vm_release", p, "release of %p + %zu: not a reservation",
@@ -247,16 +230,14 @@ void sp_vm_release(void *p, size_t size) {
         return;
     }
     size_t rounded = size_round(size, page);
-    if (munmap(p, rounded) == 0)
-        return;
+    if (munmap(p, rounded) == 0) return;
     int err = errno;
     /* A MAP_HUGETLB reservation was rounded to the huge page size, and munmap of hugetlb
      * memory needs that length: retry once with it. */
     size_t hsize = sp_huge_page_size();
     if (err == EINVAL && hsize && ((uintptr_t)p & (hsize - 1)) == 0) {
         size_t hrounded = size_round(size, hsize);
-        if (hrounded && munmap(p, hrounded) == 0)
-            return;
+        if (hrounded && munmap(p, hrounded) == 0) return;
     }
     os_fail("sp_vm_release", p, "munmap", rounded, err);
 }
@@ -268,8 +249,7 @@ uint32_t sp_cpu_count(void) {
      * only on machines with over 1024 CPUs). */
     for (size_t ncpu = 1024; ncpu <= (1u << 20); ncpu *= 2) {
         cpu_set_t *set = CPU_ALLOC(ncpu);
-        if (!set)
-            break;
+        if (!set) break;
         size_t bytes = CPU_ALLOC_SIZE(ncpu);
         CPU_ZERO_S(bytes, set);
         if (sched_getaffinity(0, bytes, set) == 0) {
@@ -278,8 +258,7 @@ uint32_t sp_cpu_count(void) {
             return n > 0 ? (uint32_t)n : 1;
         }
         CPU_FREE(set);
-        if (errno != EINVAL)
-            break;
+        if (errno != EINVAL) break;
     }
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     return n > 0 ? (uint32_t)n : 1;
@@ -346,8 +325,7 @@ typedef struct thread_start {
 static void *thread_main(void *raw) {
     thread_start st = *(thread_start *)raw;
     free(raw);
-    if (st.name[0])
-        sp_thread_set_name(st.name);
+    if (st.name[0]) sp_thread_set_name(st.name);
     return st.fn(st.arg);
 }
 
@@ -363,8 +341,7 @@ sp_result sp_thread_start(sp_thread *out, sp_thread_fn fn, void *arg, const char
     st->fn = fn;
     st->arg = arg;
     st->name[0] = 0;
-    if (name)
-        snprintf(st->name, sizeof st->name, "%s", name);
+    if (name) snprintf(st->name, sizeof st->name, "%s", name);
     pthread_t t;
     int err = pthread_create(&t, NULL, thread_main, st);
     if (SP_UNLIKELY(err != 0)) {
@@ -388,8 +365,7 @@ void *sp_thread_join(sp_thread t) {
 }
 
 void sp_thread_set_name(const char *name) {
-    if (!name)
-        return;
+    if (!name) return;
     char buf[16];
     snprintf(buf, sizeof buf, "%s", name);
     pthread_setname_np(pthread_self(), buf); /* best effort: a name is only a debugging aid */

@@ -19,17 +19,23 @@
 #define SP_INLINE static inline __attribute__((always_inline))
 #define SP_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
 
-static inline int sp_is_pow2(size_t x) { return x != 0 && (x & (x - 1)) == 0; }
-static inline uintptr_t sp_align_up(uintptr_t x, size_t a) { return (x + (a - 1)) & ~(uintptr_t)(a - 1); }
-static inline uintptr_t sp_align_down(uintptr_t x, size_t a) { return x & ~(uintptr_t)(a - 1); }
+static inline int sp_is_pow2(size_t x) {
+    return x != 0 && (x & (x - 1)) == 0;
+}
+static inline uintptr_t sp_align_up(uintptr_t x, size_t a) {
+    return (x + (a - 1)) & ~(uintptr_t)(a - 1);
+}
+static inline uintptr_t sp_align_down(uintptr_t x, size_t a) {
+    return x & ~(uintptr_t)(a - 1);
+}
 
 /* Tiered checks (STYLE.md): level 2 internal invariants, level 3 expensive walks.
  * The condition is evaluated only when the tier is enabled: no side effects allowed. */
-#define SP_CHECK_TIER(tier, cond, call, addr)                                             \
-    do {                                                                                  \
-        if (SP_DEBUG >= (tier) && SP_UNLIKELY(!(cond)))                                   \
-            sp_die(SP_ERR_CORRUPT, (call), (addr), "invariant failed: %s (%s:%d)", #cond, \
-                   __FILE__, __LINE__);                                                   \
+#define SP_CHECK_TIER(tier, cond, call, addr)                                                      \
+    do {                                                                                           \
+        if (SP_DEBUG >= (tier) && SP_UNLIKELY(!(cond)))                                            \
+            sp_die(SP_ERR_CORRUPT, (call), (addr), "invariant failed: %s (%s:%d)", #cond,          \
+                   __FILE__, __LINE__);                                                            \
     } while (0)
 #define SP_INVARIANT(cond, call, addr) SP_CHECK_TIER(2, cond, call, addr)
 

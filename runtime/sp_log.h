@@ -72,8 +72,8 @@ typedef void (*sp_log_fn)(void *user, const sp_log_record *rec);
 void sp_log_set(sp_log_fn fn, void *user);
 
 /* Emit a record through the current logger (printf-style message). */
-void sp_log(sp_log_level level, sp_result id, const char *call, const void *addr,
-            const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+void sp_log(sp_log_level level, sp_result id, const char *call, const void *addr, const char *fmt,
+            ...) __attribute__((format(printf, 5, 6)));
 
 /* Fatal handler: called by sp_die after logging. The default aborts. A handler may longjmp
  * out (in-process death tests) or exit; if it returns, the process aborts anyway. */

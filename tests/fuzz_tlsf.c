@@ -14,7 +14,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 enum { SLOTS = 32, HEAP = 256 * 1024 };
 
-static void fill(uint8_t *p, size_t n, uint8_t v) { memset(p, v, n); }
+static void fill(uint8_t *p, size_t n, uint8_t v) {
+    memset(p, v, n);
+}
 
 static bool filled(const uint8_t *p, size_t n, uint8_t v) {
     for (size_t i = 0; i < n; i++)
@@ -38,7 +40,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         size_t n = (size_t)data[i + 2] | (size_t)data[i + 3] << 8;
         if (data[i] & 0x80) n <<= 3; /* reach past 64 KiB now and then */
         switch (op) {
-        case 0: case 1: case 2: /* malloc (or aligned) into an empty slot */
+        case 0:
+        case 1:
+        case 2: /* malloc (or aligned) into an empty slot */
             if (slot[s]) break;
             slot[s] = op == 2 ? sp_tlsf_aligned_alloc(t, (size_t)16 << (data[i + 2] % 10), n)
                               : sp_tlsf_malloc(t, n);

@@ -49,10 +49,10 @@ static inline int ok_at(int cond, const char *file, int line, const char *fmt, .
 }
 
 #define ok(cond, ...) ok_at(!!(cond), __FILE__, __LINE__, __VA_ARGS__)
-#define is_int(got, want, ...)                                                             \
-    do {                                                                                   \
-        long long tap_g_ = (long long)(got), tap_w_ = (long long)(want);                   \
-        if (!ok(tap_g_ == tap_w_, __VA_ARGS__)) diag("  got %lld, want %lld", tap_g_, tap_w_); \
+#define is_int(got, want, ...)                                                                     \
+    do {                                                                                           \
+        long long tap_g_ = (long long)(got), tap_w_ = (long long)(want);                           \
+        if (!ok(tap_g_ == tap_w_, __VA_ARGS__)) diag("  got %lld, want %lld", tap_g_, tap_w_);     \
     } while (0)
 
 static inline void skip_all(const char *reason) {
@@ -63,8 +63,10 @@ static inline void skip_all(const char *reason) {
 
 /* Exit status: 0 when every planned test ran and passed. */
 static inline int done(void) {
-    if (tap_planned == 0) printf("1..%d\n", tap_run);
-    else if (tap_run != tap_planned) diag("planned %d tests but ran %d", tap_planned, tap_run);
+    if (tap_planned == 0)
+        printf("1..%d\n", tap_run);
+    else if (tap_run != tap_planned)
+        diag("planned %d tests but ran %d", tap_planned, tap_run);
     fflush(stdout);
     return tap_failed || (tap_planned && tap_run != tap_planned) ? 1 : 0;
 }

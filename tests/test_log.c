@@ -114,8 +114,7 @@ static void test_die_handler(void) {
     static int z;
     ts_log_capture();
     sp_fatal_set(fatal_jump, NULL);
-    if (setjmp(die_env) == 0)
-        sp_die(SP_ERR_CORRUPT, "sp_test_check", &z, "bad %d", 7);
+    if (setjmp(die_env) == 0) sp_die(SP_ERR_CORRUPT, "sp_test_check", &z, "bad %d", 7);
     sp_fatal_set(NULL, NULL);
     ok(die_calls == 1, "sp_die called the fatal handler once");
     ok(die_rec.level == SP_LOG_FATAL && die_rec.id == SP_ERR_CORRUPT, "with level fatal and id");
@@ -154,8 +153,7 @@ static void test_restore_stderr(void) {
            strstr(text, "SP_ERR_LIMIT"),
        "sp_log_set(NULL) restores the stderr logger");
     ok(level_count == 0, "the replaced logger no longer sees records");
-    if (!strstr(text, "restored-marker"))
-        diag("stderr held: %s", text);
+    if (!strstr(text, "restored-marker")) diag("stderr held: %s", text);
 }
 
 int main(void) {

@@ -31,10 +31,8 @@ static void test_sweep(void) {
         sp_thread t[8];
         int started = 0;
         for (int i = 0; i < n; i++)
-            if (sp_thread_start(&t[started], increment_run, &s, "sp-mutex") == SP_OK)
-                started++;
-        for (int i = 0; i < started; i++)
-            sp_thread_join(t[i]);
+            if (sp_thread_start(&t[started], increment_run, &s, "sp-mutex") == SP_OK) started++;
+        for (int i = 0; i < started; i++) sp_thread_join(t[i]);
         uint64_t want = s.per_thread * (uint64_t)n;
         ok(started == n && s.counter == want && s.lock.state == 0,
            "%d threads x %llu increments: counter %llu, lock free", n,
@@ -51,13 +49,11 @@ static void test_trylock(void) {
     sp_mutex_lock(&m);
     sp_thread t;
     bool got = true;
-    if (sp_thread_start(&t, trylock_run, &m, "sp-try") == SP_OK)
-        got = sp_thread_join(t) != NULL;
+    if (sp_thread_start(&t, trylock_run, &m, "sp-try") == SP_OK) got = sp_thread_join(t) != NULL;
     ok(!got, "trylock fails while another thread holds the lock");
     sp_mutex_unlock(&m);
     got = false;
-    if (sp_thread_start(&t, trylock_run, &m, "sp-try") == SP_OK)
-        got = sp_thread_join(t) != NULL;
+    if (sp_thread_start(&t, trylock_run, &m, "sp-try") == SP_OK) got = sp_thread_join(t) != NULL;
     ok(got, "trylock succeeds after unlock");
     ok(!sp_mutex_trylock(&m), "and the lock it took is still held");
     sp_mutex_unlock(&m);
@@ -89,8 +85,7 @@ static void test_sleeper_woken(void) {
     bool early = __atomic_load_n(&b.acquired, __ATOMIC_ACQUIRE) != 0;
     uint32_t state = __atomic_load_n(&b.m.state, __ATOMIC_RELAXED);
     sp_mutex_unlock(&b.m);
-    if (started)
-        sp_thread_join(t);
+    if (started) sp_thread_join(t);
     ok(started && !early && __atomic_load_n(&b.acquired, __ATOMIC_ACQUIRE) == 1,
        "a thread blocked in lock gets it after unlock (state while blocked: %u)", state);
 }
@@ -108,8 +103,7 @@ static void test_unlock_misuse(void) {
 
 int main(void) {
     plan(10);
-    if (ts_sanitized())
-        diag("sanitized build: fewer iterations");
+    if (ts_sanitized()) diag("sanitized build: fewer iterations");
     test_sweep();         /* 4 */
     test_trylock();       /* 4 */
     test_sleeper_woken(); /* 1 */

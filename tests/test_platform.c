@@ -20,8 +20,7 @@ static void sleep_ns(uint64_t ns) {
 /* True when every byte of [p, p+n) equals v. */
 static bool bytes_all(const unsigned char *p, size_t n, unsigned char v) {
     for (size_t i = 0; i < n; i++)
-        if (p[i] != v)
-            return false;
+        if (p[i] != v) return false;
     return true;
 }
 
@@ -34,14 +33,11 @@ static void test_reserve_commit(void) {
     const size_t ps = sp_page_size(), size = 256 * ps;
     unsigned char *p = sp_vm_reserve(size, 0, false, NULL);
     ok(p != NULL, "reserve %zu bytes", size);
-    if (!p)
-        return;
+    if (!p) return;
     is_int(sp_vm_commit(p, size), SP_OK, "commit the whole reservation");
-    for (size_t i = 0; i < size; i += 64)
-        p[i] = (unsigned char)(i >> 6);
+    for (size_t i = 0; i < size; i += 64) p[i] = (unsigned char)(i >> 6);
     bool same = true;
-    for (size_t i = 0; i < size; i += 64)
-        same &= p[i] == (unsigned char)(i >> 6);
+    for (size_t i = 0; i < size; i += 64) same &= p[i] == (unsigned char)(i >> 6);
     ok(same, "committed memory keeps what was written");
     sp_vm_release(p, size);
 }
@@ -58,8 +54,7 @@ static void test_alignment(void) {
             usable = p[0] == 1 && p[size - 1] == 2;
         }
         ok(usable, "reserve aligned to %zu KiB: %p, usable", a >> 10, (void *)p);
-        if (p)
-            sp_vm_release(p, size);
+        if (p) sp_vm_release(p, size);
     }
 }
 

@@ -61,12 +61,9 @@ static void pipe_drain(int fd, char *buf, size_t cap) {
         char *dst = len + 1 < cap ? buf + len : sink;
         size_t room = len + 1 < cap ? cap - 1 - len : sizeof sink;
         ssize_t n = read(fd, dst, room);
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n <= 0)
-            break;
-        if (dst == buf + len)
-            len += (size_t)n;
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) break;
+        if (dst == buf + len) len += (size_t)n;
     }
     buf[len] = 0;
 }
@@ -146,8 +143,7 @@ static uint64_t splitmix64(uint64_t *x) {
 }
 
 void ts_rng_seed(ts_rng *r, uint64_t seed) {
-    for (int i = 0; i < 4; i++)
-        r->s[i] = splitmix64(&seed);
+    for (int i = 0; i < 4; i++) r->s[i] = splitmix64(&seed);
 }
 
 static uint64_t rotl(uint64_t x, int k) {
@@ -174,14 +170,12 @@ uint64_t ts_rng_range(ts_rng *r, uint64_t lo, uint64_t hi) {
         hi = t;
     }
     uint64_t span = hi - lo + 1;
-    if (span == 0)
-        return ts_rng_next(r); /* the whole 64-bit range */
+    if (span == 0) return ts_rng_next(r); /* the whole 64-bit range */
     /* Reject the 2^64 mod span lowest values: what is left is a whole number of spans. */
     uint64_t reject = -span % span;
     for (;;) {
         uint64_t x = ts_rng_next(r);
-        if (x >= reject)
-            return lo + x % span;
+        if (x >= reject) return lo + x % span;
     }
 }
 
@@ -209,19 +203,16 @@ bool ts_sanitized(void) {
     TS_HAS_FEATURE(memory_sanitizer)
     return true;
 #else
-    if (__ubsan_handle_add_overflow)
-        return true;
+    if (__ubsan_handle_add_overflow) return true;
 #if defined(TS_HAVE_VALGRIND)
-    if (RUNNING_ON_VALGRIND)
-        return true;
+    if (RUNNING_ON_VALGRIND) return true;
 #endif
     return false;
 #endif
 }
 
 uint64_t ts_scaled(uint64_t n, uint64_t div) {
-    if (!ts_sanitized() || div <= 1)
-        return n;
+    if (!ts_sanitized() || div <= 1) return n;
     uint64_t s = n / div;
     return s ? s : (n ? 1 : 0);
 }

@@ -52,14 +52,16 @@ static void test_create(void) {
     is_int(ts_logged.last_id, SP_ERR_INVALID_ARG, "create(NULL) is reported");
     char small[64];
     sp_tlsf_desc d = {.memory = small, .size = sizeof small};
-    ok(sp_tlsf_create(&d, &err) == NULL && err == SP_ERR_TOO_SMALL, "tiny memory: SP_ERR_TOO_SMALL");
+    ok(sp_tlsf_create(&d, &err) == NULL && err == SP_ERR_TOO_SMALL,
+       "tiny memory: SP_ERR_TOO_SMALL");
     d.size = 0;
     ok(sp_tlsf_create(&d, &err) == NULL && err == SP_ERR_TOO_SMALL, "zero-size memory refused");
     ts_log_release();
 
     sp_tlsf *t = heap_new(MiB, false);
     sp_tlsf_status s = status(t);
-    ok(t && s.bytes_used == 0 && s.live_blocks == 0 && s.free_blocks == 1, "fresh heap: one free block");
+    ok(t && s.bytes_used == 0 && s.live_blocks == 0 && s.free_blocks == 1,
+       "fresh heap: one free block");
     ok(s.largest_free == s.bytes_free && s.fragmentation == 0.0, "fresh heap: no fragmentation");
     ok(s.largest_free > MiB - sp_tlsf_control_size() - 64, "fresh heap: nearly all memory free");
     is_int(sp_tlsf_check(t), SP_OK, "fresh heap passes check");
@@ -156,8 +158,8 @@ static void test_aligned(void) {
     void *spacer = sp_tlsf_malloc(t, 48); /* so the first payload is not already aligned */
     for (size_t align = 1; align <= (1u << 20); align <<= 1) {
         void *p = sp_tlsf_aligned_alloc(t, align, 24 + align / 3);
-        aligned &= p && ((uintptr_t)p & (align - 1)) == 0 &&
-                   sp_tlsf_usable_size(t, p) >= 24 + align / 3;
+        aligned &=
+            p && ((uintptr_t)p & (align - 1)) == 0 && sp_tlsf_usable_size(t, p) >= 24 + align / 3;
         if (p) memset(p, 0x11, 24 + align / 3);
         ps[n++] = p;
     }
@@ -200,8 +202,10 @@ typedef struct walk_tally {
 static void tally(void *user, void *ptr, size_t size, bool used) {
     walk_tally *w = user;
     (void)ptr;
-    if (used) w->used++, w->used_bytes += size;
-    else w->free_count++;
+    if (used)
+        w->used++, w->used_bytes += size;
+    else
+        w->free_count++;
 }
 
 static void test_pools_and_walk(void) {
@@ -234,7 +238,8 @@ static void test_pools_and_walk(void) {
     static char pools[SP_TLSF_MAX_POOLS][1024] __attribute__((aligned(16)));
     int added = 0;
     ts_log_capture();
-    for (int i = 0; i < SP_TLSF_MAX_POOLS; i++) added += sp_tlsf_add_pool(t, pools[i], 1024) == SP_OK;
+    for (int i = 0; i < SP_TLSF_MAX_POOLS; i++)
+        added += sp_tlsf_add_pool(t, pools[i], 1024) == SP_OK;
     is_int(added, SP_TLSF_MAX_POOLS - 1, "pool table holds SP_TLSF_MAX_POOLS pools");
     ok(ts_logged.count == 1 && ts_logged.last_id == SP_ERR_LIMIT, "table full reported once");
     ts_log_release();

@@ -82,8 +82,9 @@ static void sweep(int threads) {
         sp_tlsf_free(sh.heap, p);
     }
     ok(atomic_load(&sh.bad) == 0, "%d threads: every block intact when freed", threads);
-    ok(threads == 1 || atomic_load(&sh.cross_frees) > 0, "%d threads: %ld blocks freed by another thread",
-       threads, (long)atomic_load(&sh.cross_frees));
+    ok(threads == 1 || atomic_load(&sh.cross_frees) > 0,
+       "%d threads: %ld blocks freed by another thread", threads,
+       (long)atomic_load(&sh.cross_frees));
     is_int(sp_tlsf_check(sh.heap), SP_OK, "%d threads: heap passes check", threads);
     sp_tlsf_status s;
     sp_tlsf_status_get(sh.heap, &s);

@@ -29,17 +29,20 @@ static void refuse_all(void *p, sp_result want, const char *what) {
     sp_tlsf_free(heap, p);
     bool freed = ts_logged.count == 1 && ts_logged.last_id == want && ts_logged.last_addr == p &&
                  strcmp(ts_logged.last_call, "sp_tlsf_free") == 0;
-    ok(freed && unchanged(&before), "free(%s): %s reported, heap unchanged", what, sp_result_name(want));
-    if (!freed) diag("  logged %d, last %s from %s", ts_logged.count, sp_result_name(ts_logged.last_id),
-                     ts_logged.last_call);
+    ok(freed && unchanged(&before), "free(%s): %s reported, heap unchanged", what,
+       sp_result_name(want));
+    if (!freed)
+        diag("  logged %d, last %s from %s", ts_logged.count, sp_result_name(ts_logged.last_id),
+             ts_logged.last_call);
     ts_log_reset();
     void *q = sp_tlsf_realloc(heap, p, 100);
-    ok(q == NULL && ts_logged.last_id == want && strcmp(ts_logged.last_call, "sp_tlsf_realloc") == 0 &&
-           unchanged(&before),
+    ok(q == NULL && ts_logged.last_id == want &&
+           strcmp(ts_logged.last_call, "sp_tlsf_realloc") == 0 && unchanged(&before),
        "realloc(%s): NULL, reported, heap unchanged", what);
     ts_log_reset();
     size_t n = sp_tlsf_usable_size(heap, p);
-    ok(n == 0 && ts_logged.last_id == want && unchanged(&before), "usable_size(%s): 0, reported", what);
+    ok(n == 0 && ts_logged.last_id == want && unchanged(&before), "usable_size(%s): 0, reported",
+       what);
 }
 
 /* Read allocator metadata the way a forging caller would, without tripping ASan. */
@@ -98,7 +101,8 @@ static void test_reported(void) {
            unchanged(&before),
        "aligned_alloc(3): NULL, reported");
     ts_log_reset();
-    ok(sp_tlsf_malloc(heap, SIZE_MAX) == NULL && sp_tlsf_realloc(heap, live, SIZE_MAX - 15) == NULL &&
+    ok(sp_tlsf_malloc(heap, SIZE_MAX) == NULL &&
+           sp_tlsf_realloc(heap, live, SIZE_MAX - 15) == NULL &&
            sp_tlsf_aligned_alloc(heap, 4096, SIZE_MAX - 4096) == NULL && unchanged(&before),
        "sizes that overflow: NULL, heap unchanged");
     ok(ts_logged.count == 0, "running out is not misuse: nothing logged");
@@ -111,8 +115,12 @@ typedef struct death {
     void *p;
 } death;
 
-static void do_free(void *p) { sp_tlsf_free(heap, p); }
-static void do_realloc(void *p) { (void)sp_tlsf_realloc(heap, p, 10); }
+static void do_free(void *p) {
+    sp_tlsf_free(heap, p);
+}
+static void do_realloc(void *p) {
+    (void)sp_tlsf_realloc(heap, p, 10);
+}
 static void run_death(void *arg) {
     death *d = arg;
     d->call(d->p);

@@ -15,8 +15,8 @@ enum { SLOTS = 192, HEAP = 4 << 20 };
 
 typedef struct slot {
     unsigned char *p;
-    size_t size;   /* bytes asked for */
-    uint8_t seed;  /* pattern */
+    size_t size;  /* bytes asked for */
+    uint8_t seed; /* pattern */
 } slot;
 
 static void fill(slot *s) {
@@ -33,8 +33,11 @@ static bool intact(const slot *s, size_t n) {
 static size_t pick_size(ts_rng *r) {
     switch (ts_rng_next(r) % 8) {
     case 0: return ts_rng_range(r, 0, 16);
-    case 1: case 2: case 3: return ts_rng_range(r, 1, 256);
-    case 4: case 5: return ts_rng_range(r, 257, 4096);
+    case 1:
+    case 2:
+    case 3: return ts_rng_range(r, 1, 256);
+    case 4:
+    case 5: return ts_rng_range(r, 257, 4096);
     case 6: return ts_rng_range(r, 4097, 65536);
     default: return ts_rng_range(r, 65537, 300000);
     }
@@ -61,8 +64,10 @@ static long run(uint64_t seed, long ops, const char **why) {
             if (s->p) {
                 s->size = size;
                 s->seed = (uint8_t)ts_rng_next(&r);
-                if (align && ((uintptr_t)s->p & (align - 1))) *why = "misaligned block";
-                else if (sp_tlsf_usable_size(t, s->p) < size) *why = "usable size too small";
+                if (align && ((uintptr_t)s->p & (align - 1)))
+                    *why = "misaligned block";
+                else if (sp_tlsf_usable_size(t, s->p) < size)
+                    *why = "usable size too small";
                 fill(s);
                 live++;
             }
@@ -74,8 +79,10 @@ static long run(uint64_t seed, long ops, const char **why) {
                 s->p = q;
                 s->size = size;
                 if (q && !intact(s, keep)) *why = "realloc lost contents";
-                if (q) fill(s);
-                else live--;
+                if (q)
+                    fill(s);
+                else
+                    live--;
             }
         } else {
             if (!intact(s, s->size)) *why = "block damaged before free";
@@ -91,7 +98,8 @@ static long run(uint64_t seed, long ops, const char **why) {
     }
     for (int i = 0; i < SLOTS; i++)
         if (slots[i].p) {
-            if (failed < 0 && !intact(&slots[i], slots[i].size)) failed = ops, *why = "damaged at end";
+            if (failed < 0 && !intact(&slots[i], slots[i].size))
+                failed = ops, *why = "damaged at end";
             sp_tlsf_free(t, slots[i].p);
         }
     if (failed < 0 && sp_tlsf_destroy(t) != 0) failed = ops, *why = "leak at destroy";
@@ -107,7 +115,8 @@ int main(void) {
         const char *why = NULL;
         long bad = run(seeds[i], ops, &why);
         total += ops;
-        ok(bad < 0, "seed %llu: %ld operations agree with the model", (unsigned long long)seeds[i], ops);
+        ok(bad < 0, "seed %llu: %ld operations agree with the model", (unsigned long long)seeds[i],
+           ops);
         if (bad >= 0) diag("  first failure at operation %ld: %s", bad, why);
     }
     diag("%ld operations in all, each followed by a full sp_tlsf_check", total);
