@@ -217,9 +217,9 @@ cmd_test() {
     # Stale logs of every build dir this command uses are removed up front.
     rm -f build-{debug,tsan,release,valgrind,fuzz}/meson-logs/{testlog,benchlog}*.json
 
-    heading "debug: gcc, ASan + UBSan, SP_DEBUG=1 -> suites unit, death"
+    heading "debug: gcc, ASan + UBSan, SP_DEBUG=1 -> suites unit, death, concurrency"
     if build_step debug build-debug DEBUG_ENV DEBUG_OPTS; then
-        test_step debug-tests build-debug testlog --suite unit --suite death
+        test_step debug-tests build-debug testlog --suite unit --suite death --suite concurrency
     fi
 
     heading "tsan: clang-14, ThreadSanitizer -> suite concurrency"

@@ -94,10 +94,10 @@ struct sp_tlsf {
  * every block; FLAG_PREV_FREE mirrors the predecessor's FLAG_FREE and FLAG_NEXT_FREE the
  * successor's (a pool's first block has none: flag clear); no two free blocks are neighbours. */
 
-/* 24 bits that depend on the header's address (every 16-byte step changes them) and on a
- * per-heap secret: a header copied elsewhere, or user data, does not pass for a header. */
+/* 24 bits mixed from every bit of the header's address and a per-heap secret: user data, or
+ * a header copied to another address, passes for a header with probability 2^-24. */
 TRACK_INTERNAL SP_INLINE uint64_t tag_of(const sp_tlsf *t, const block *b) {
-    return (((uint64_t)(uintptr_t)b >> ALIGN_LOG2) ^ t->secret) << 40;
+    return (((uint64_t)(uintptr_t)b ^ t->secret) * 0x9E3779B97F4A7C15ull) & TAG_MASK;
 }
 TRACK_INTERNAL SP_INLINE size_t block_size(const block *b) {
     return b->size_flags & SIZE_MASK;
@@ -337,10 +337,10 @@ TRACK_INTERNAL static void block_release(sp_tlsf *t, block *b) {
 /* ---- validation of caller pointers ----------------------------------------------------------
  * O(pools) + one header read, in every build: the pointer must lie in a pool, be aligned, and
  * its header must carry this heap's 24-bit tag for that address, a plausible size and no
- * FLAG_FREE (a merged-away header carries a dead mark: double free). Arbitrary user data
- * passes for a header with probability 2^-24, and a header copied from elsewhere never does
- * (the tag depends on the address). Debug builds also require the successor to point back
- * (TLSF_CHECK_BACKLINK), which costs a dependent cache miss per free. */
+ * FLAG_FREE (a merged-away header carries a dead mark: double free). Arbitrary user data, or
+ * a header copied to another address, passes with probability 2^-24. Debug builds also
+ * require the successor to point back (TLSF_CHECK_BACKLINK), which makes a forged header
+ * pass only with an exact pointer match too, at the price of a dependent cache miss per free. */
 
 typedef struct verdict {
     sp_result id;
@@ -348,9 +348,12 @@ typedef struct verdict {
     block *b;
 } verdict;
 
+/* Lock-free: a pool entry is written before pool_count is raised (release), and never changes
+ * afterwards, so a reader that sees the count (acquire) sees complete entries. */
 TRACK_INTERNAL static const pool_range *pool_of(const sp_tlsf *t, const void *p) {
     uintptr_t a = (uintptr_t)p;
-    for (size_t i = 0; i < t->pool_count; i++)
+    size_t n = __atomic_load_n(&t->pool_count, __ATOMIC_ACQUIRE);
+    for (size_t i = 0; i < n; i++)
         if (a - t->pools[i].lo < t->pools[i].hi - t->pools[i].lo) return &t->pools[i];
     return NULL;
 }
@@ -422,36 +425,52 @@ size_t sp_tlsf_control_size(void) {
     return sp_align_up(sizeof(sp_tlsf), ALIGN);
 }
 
-TRACK_INTERNAL static sp_result pool_add(sp_tlsf *t, void *memory, size_t size, const char *call) {
-    if (!memory) return sp_misuse(SP_ERR_INVALID_ARG, call, memory, "NULL pool memory");
+/* Why a pool was refused: reported by the caller once the heap is unlocked. */
+typedef struct pool_verdict {
+    sp_result id;
+    const char *why;
+} pool_verdict;
+
+TRACK_INTERNAL static pool_verdict pool_add(sp_tlsf *t, void *memory, size_t size) {
+    if (!memory) return (pool_verdict){SP_ERR_INVALID_ARG, "NULL pool memory"};
     uintptr_t lo = sp_align_up((uintptr_t)memory, ALIGN);
     uintptr_t end = (uintptr_t)memory + size;
-    if (end < (uintptr_t)memory) return sp_misuse(SP_ERR_OVERFLOW, call, memory, "pool wraps");
+    if (end < (uintptr_t)memory) return (pool_verdict){SP_ERR_OVERFLOW, "pool wraps around"};
     uintptr_t hi = sp_align_down(end, ALIGN);
-    if (hi <= lo || hi - lo < 2 * HEADER + MIN_PAYLOAD) {
-        sp_log(SP_LOG_WARN, SP_ERR_TOO_SMALL, call, memory, "pool of %zu bytes is too small", size);
-        return SP_ERR_TOO_SMALL;
-    }
+    if (hi <= lo || hi - lo < 2 * HEADER + MIN_PAYLOAD)
+        return (pool_verdict){SP_ERR_TOO_SMALL, "pool too small for one block"};
     size_t payload = hi - lo - 2 * HEADER;
     if (payload > SP_TLSF_MAX_BLOCK)
-        return sp_misuse(SP_ERR_INVALID_ARG, call, memory, "pool larger than SP_TLSF_MAX_BLOCK");
+        return (pool_verdict){SP_ERR_INVALID_ARG, "pool larger than SP_TLSF_MAX_BLOCK"};
+    uintptr_t ctl = (uintptr_t)t;
+    if (lo < ctl + sp_tlsf_control_size() && ctl < hi)
+        return (pool_verdict){SP_ERR_INVALID_ARG, "pool overlaps the heap's control structure"};
     for (size_t i = 0; i < t->pool_count; i++)
         if (lo < t->pools[i].hi && t->pools[i].lo < hi)
-            return sp_misuse(SP_ERR_INVALID_ARG, call, memory, "pool overlaps an existing pool");
-    if (t->pool_count == SP_TLSF_MAX_POOLS) {
-        sp_log(SP_LOG_WARN, SP_ERR_LIMIT, call, memory, "pool table full (%d)", SP_TLSF_MAX_POOLS);
-        return SP_ERR_LIMIT;
-    }
+            return (pool_verdict){SP_ERR_INVALID_ARG, "pool overlaps an existing pool"};
+    if (t->pool_count == SP_TLSF_MAX_POOLS)
+        return (pool_verdict){SP_ERR_LIMIT, "pool table full (SP_TLSF_MAX_POOLS)"};
     track_pool((void *)lo, hi - lo);
     block *first = (block *)lo;
     block_init(t, first, NULL, false, payload, FLAG_FREE);
     block *sentinel = block_next(first);
     block_init(t, sentinel, first, true, 0, 0);
     list_insert(t, first);
-    t->pools[t->pool_count++] = (pool_range){lo, hi, lo + HEADER, hi - 3 * HEADER - lo};
+    t->pools[t->pool_count] = (pool_range){lo, hi, lo + HEADER, hi - 3 * HEADER - lo};
+    __atomic_store_n(&t->pool_count, t->pool_count + 1, __ATOMIC_RELEASE);
     t->bytes_total += hi - lo;
     t->pool_bytes += hi - lo;
-    return SP_OK;
+    return (pool_verdict){SP_OK, NULL};
+}
+
+/* Resource-like refusals (too small, table full) are warnings; the rest is misuse. */
+SP_COLD static sp_result pool_report(pool_verdict v, const char *call, const void *memory,
+                                     size_t size) {
+    if (v.id == SP_ERR_TOO_SMALL || v.id == SP_ERR_LIMIT) {
+        sp_log(SP_LOG_WARN, v.id, call, memory, "%s (%zu bytes)", v.why, size);
+        return v.id;
+    }
+    return sp_misuse(v.id, call, memory, "%s (%zu bytes)", v.why, size);
 }
 
 sp_tlsf *sp_tlsf_create(const sp_tlsf_desc *desc, sp_result *err) {
@@ -476,9 +495,12 @@ sp_tlsf *sp_tlsf_create(const sp_tlsf_desc *desc, sp_result *err) {
     t->secret = ((uint64_t)base * 0xD6E8FEB86659FD93ull) ^ sp_ticks();
     t->bytes_total = control;
     track_enter();
-    r = pool_add(t, (char *)base + control, desc->size - skew - control, "sp_tlsf_create");
+    pool_verdict v = pool_add(t, (char *)base + control, desc->size - skew - control);
     track_leave();
-    if (r != SP_OK) t = NULL;
+    if (v.id != SP_OK) {
+        r = pool_report(v, "sp_tlsf_create", desc->memory, desc->size);
+        t = NULL;
+    }
 out:
     if (err) *err = r;
     return t;
@@ -496,9 +518,9 @@ size_t sp_tlsf_destroy(sp_tlsf *t) {
 
 sp_result sp_tlsf_add_pool(sp_tlsf *t, void *memory, size_t size) {
     bool locked = heap_lock(t);
-    sp_result r = pool_add(t, memory, size, "sp_tlsf_add_pool");
+    pool_verdict v = pool_add(t, memory, size);
     heap_unlock(t, locked);
-    return r;
+    return v.id == SP_OK ? SP_OK : pool_report(v, "sp_tlsf_add_pool", memory, size);
 }
 
 /* ---- allocation ---------------------------------------------------------------------------- */
@@ -608,21 +630,21 @@ TRACK_INTERNAL static bool block_resize_in_place(sp_tlsf *t, block *b, size_t wa
 
 TRACK_INTERNAL void *sp_tlsf_realloc(sp_tlsf *t, void *p, size_t size) {
     if (!p) return heap_malloc(t, size);
-    if (size == 0) {
-        sp_tlsf_free(t, p);
-        return NULL;
-    }
     bool locked = heap_lock(t);
     verdict v = block_check_live(t, p);
     size_t old = v.b ? block_size(v.b) : 0;
-    bool done =
-        v.b && size <= SP_TLSF_MAX_BLOCK && block_resize_in_place(t, v.b, adjust_size(size));
+    bool done = false;
+    if (v.b && size == 0)
+        block_release(t, v.b); /* realloc(p, 0) frees p, returns NULL */
+    else if (v.b && size <= SP_TLSF_MAX_BLOCK)
+        done = block_resize_in_place(t, v.b, adjust_size(size));
     heap_unlock(t, locked);
     if (SP_UNLIKELY(!v.b)) {
         report(t, "sp_tlsf_realloc", p, v);
         return NULL;
     }
     if (done) return p;
+    if (size == 0) return NULL;
     /* Move. p stays the caller's until the copy is made, so no lock is needed across it. */
     void *q = heap_malloc(t, size);
     if (!q) return NULL;

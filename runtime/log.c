@@ -6,21 +6,17 @@
 
 #include "sp_internal.h"
 
+/* A (function, user) pair under a seqlock: setters are rare and serialise on the odd
+ * sequence; readers retry until they read both fields within one even sequence, so they get
+ * either the old or the new pair, never a mix, however many setters run. Function pointers
+ * are stored as integers (POSIX guarantees the round trip); 0 means "the default". */
 typedef struct sink {
-    sp_log_fn fn;
-    void *user;
+    atomic_uint seq;
+    _Atomic(uintptr_t) fn;
+    _Atomic(uintptr_t) user;
 } sink;
 
-static void log_stderr(void *user, const sp_log_record *rec);
-
-static const sink default_log = {log_stderr, NULL};
-static sink log_slots[2];
-static _Atomic(const sink *) log_current = &default_log;
-static atomic_uint log_slot_next;
-
-static sink fatal_slots[2];
-static _Atomic(const sink *) fatal_current;
-static atomic_uint fatal_slot_next;
+static sink log_sink, fatal_sink;
 
 static atomic_bool misuse_fatal_flag = SP_DEBUG >= 1;
 
@@ -54,50 +50,61 @@ static void log_stderr(void *user, const sp_log_record *rec) {
             rec->call ? rec->call : "", rec->call ? " at " : "", rec->addr, rec->message);
 }
 
-/* Setters publish a fully written slot through one atomic pointer: a concurrent reader sees
- * either the old or the new (fn, user) pair, never a mix. Two slots alternate, so a reader
- * still holding the previous one keeps reading stable data unless setters race each other. */
-static void sink_publish(_Atomic(const sink *) *cur, sink *slots, atomic_uint *next, sp_log_fn fn,
-                         void *user, const sink *fallback) {
-    if (!fn) {
-        atomic_store_explicit(cur, fallback, memory_order_release);
-        return;
+static void sink_set(sink *s, uintptr_t fn, uintptr_t user) {
+    unsigned seq = atomic_load_explicit(&s->seq, memory_order_relaxed);
+    while ((seq & 1) || !atomic_compare_exchange_weak_explicit(
+                            &s->seq, &seq, seq + 1, memory_order_relaxed, memory_order_relaxed))
+        seq = atomic_load_explicit(&s->seq, memory_order_relaxed);
+    atomic_thread_fence(memory_order_release); /* the odd sequence before the new fields */
+    atomic_store_explicit(&s->fn, fn, memory_order_relaxed);
+    atomic_store_explicit(&s->user, user, memory_order_relaxed);
+    atomic_store_explicit(&s->seq, seq + 2, memory_order_release);
+}
+
+static void sink_get(sink *s, uintptr_t *fn, uintptr_t *user) {
+    for (;;) {
+        unsigned seq = atomic_load_explicit(&s->seq, memory_order_acquire);
+        if (seq & 1) continue;
+        *fn = atomic_load_explicit(&s->fn, memory_order_relaxed);
+        *user = atomic_load_explicit(&s->user, memory_order_relaxed);
+        atomic_thread_fence(memory_order_acquire); /* the fields before the re-check */
+        if (atomic_load_explicit(&s->seq, memory_order_relaxed) == seq) return;
     }
-    sink *s = &slots[atomic_fetch_add(next, 1) & 1];
-    s->fn = fn;
-    s->user = user;
-    atomic_store_explicit(cur, s, memory_order_release);
 }
 
 void sp_log_set(sp_log_fn fn, void *user) {
-    sink_publish(&log_current, log_slots, &log_slot_next, fn, user, &default_log);
+    sink_set(&log_sink, (uintptr_t)fn, (uintptr_t)user);
 }
 
 void sp_fatal_set(sp_fatal_fn fn, void *user) {
-    sink_publish(&fatal_current, fatal_slots, &fatal_slot_next, (sp_log_fn)fn, user, NULL);
+    sink_set(&fatal_sink, (uintptr_t)fn, (uintptr_t)user);
 }
 
 static void log_emit(sp_log_level level, sp_result id, const char *call, const void *addr,
-                     const char *fmt, va_list ap, sp_log_record *out) {
+                     const char *fmt, va_list ap) {
     char msg[512];
     vsnprintf(msg, sizeof msg, fmt, ap);
     sp_log_record rec = {level, id, call, addr, msg};
-    const sink *s = atomic_load_explicit(&log_current, memory_order_acquire);
-    s->fn(s->user, &rec);
-    if (out) *out = rec;
+    uintptr_t fn, user;
+    sink_get(&log_sink, &fn, &user);
+    if (fn)
+        ((sp_log_fn)fn)((void *)user, &rec);
+    else
+        log_stderr(NULL, &rec);
 }
 
 void sp_log(sp_log_level level, sp_result id, const char *call, const void *addr, const char *fmt,
             ...) {
     va_list ap;
     va_start(ap, fmt);
-    log_emit(level, id, call, addr, fmt, ap, NULL);
+    log_emit(level, id, call, addr, fmt, ap);
     va_end(ap);
 }
 
 static _Noreturn void die_with(sp_log_record *rec) {
-    const sink *f = atomic_load_explicit(&fatal_current, memory_order_acquire);
-    if (f) ((sp_fatal_fn)f->fn)(f->user, rec);
+    uintptr_t fn, user;
+    sink_get(&fatal_sink, &fn, &user);
+    if (fn) ((sp_fatal_fn)fn)((void *)user, rec);
     abort();
 }
 

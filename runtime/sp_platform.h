@@ -52,7 +52,8 @@ void *sp_vm_reserve(size_t size, size_t align, bool huge, sp_page_kind *granted)
 sp_result sp_vm_commit(void *p, size_t size);
 
 /* Return the physical pages of [p, p+size) to the OS and make the range inaccessible
- * again; the address range stays reserved. Contents are lost. */
+ * again; the address range stays reserved. Contents are lost. On an SP_PAGES_HUGE
+ * reservation the range goes back to base pages: a later commit gets base pages. */
 sp_result sp_vm_decommit(void *p, size_t size);
 
 /* Make [p, p+size) inaccessible (a guard): any access faults at once. */

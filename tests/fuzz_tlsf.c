@@ -1,6 +1,6 @@
 /* libFuzzer target: replay an operation sequence on a small TLSF heap, checking every
  * invariant after each operation. Bad frees (double, interior, foreign) are part of the
- * alphabet: they must be reported and leave the heap intact.
+ * alphabet: each must be reported exactly once and leave the heap intact.
  *
  * Input: a stream of 4-byte records  op | slot | size lo | size hi. */
 #include <stdint.h>
@@ -22,6 +22,13 @@ static bool filled(const uint8_t *p, size_t n, uint8_t v) {
     for (size_t i = 0; i < n; i++)
         if (p[i] != v) return false;
     return true;
+}
+
+/* A free that must be refused: exactly one report, and (checked by the caller) no damage. */
+static void bad_free(sp_tlsf *t, void *p) {
+    int before = ts_logged.count;
+    sp_tlsf_free(t, p);
+    if (ts_logged.count != before + 1) abort();
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
@@ -68,14 +75,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             if (!stale[s]) break;
             for (int k = 0; k < SLOTS; k++)
                 if (slot[k] == stale[s]) goto skip;
-            sp_tlsf_free(t, stale[s]);
+            bad_free(t, stale[s]);
         skip:
             break;
         case 6: /* interior pointer */
-            if (slot[s] && len[s] > 64) sp_tlsf_free(t, slot[s] + 16 * (1 + data[i + 2] % 4));
+            if (slot[s] && len[s] > 64) bad_free(t, slot[s] + 16 * (1 + data[i + 2] % 4));
             break;
         default: /* foreign pointer */
-            sp_tlsf_free(t, (void *)(uintptr_t)(data[i + 2] << 4 | 0x1000));
+            bad_free(t, (void *)(uintptr_t)(data[i + 2] << 4 | 0x1000));
             break;
         }
         if (sp_tlsf_check(t) != SP_OK) abort();

@@ -65,13 +65,16 @@ static void setup(void) {
     char *sep1 = sp_tlsf_malloc(heap, 64);
     freed_alone = sp_tlsf_malloc(heap, 64); /* freed between two live blocks: stays a block */
     char *sep2 = sp_tlsf_malloc(heap, 64);
-    char *m1 = sp_tlsf_malloc(heap, 64);
-    freed_merged = sp_tlsf_malloc(heap, 64); /* freed after m1: merged into m1's free block */
+    char *x = sp_tlsf_malloc(heap, 64), *y = sp_tlsf_malloc(heap, 64); /* neighbours */
     char *sep3 = sp_tlsf_malloc(heap, 64);
     (void)sep1, (void)sep2, (void)sep3;
     sp_tlsf_free(heap, freed_alone);
-    sp_tlsf_free(heap, m1);
-    sp_tlsf_free(heap, freed_merged);
+    /* Free the lower neighbour first: freeing the upper one then merges it into the lower
+     * free block, and its header is gone (whichever way the heap carves blocks). */
+    char *lower = x < y ? x : y, *upper = x < y ? y : x;
+    sp_tlsf_free(heap, lower);
+    sp_tlsf_free(heap, upper);
+    freed_merged = upper;
 }
 
 static void test_reported(void) {
@@ -80,6 +83,8 @@ static void test_reported(void) {
     void *glibc = malloc(32);
     refuse_all(freed_alone, SP_ERR_DOUBLE_FREE, "already freed");
     refuse_all(freed_merged, SP_ERR_DOUBLE_FREE, "freed and merged");
+    ok(strstr(ts_logged.last_message, "merged") != NULL,
+       "a merged-away header is recognised as such (\"%s\")", ts_logged.last_message);
     refuse_all(&on_stack, SP_ERR_FOREIGN_POINTER, "stack address");
     refuse_all(glibc, SP_ERR_FOREIGN_POINTER, "glibc block");
     refuse_all(live + 1, SP_ERR_INVALID_POINTER, "misaligned");

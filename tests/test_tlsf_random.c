@@ -15,8 +15,9 @@ enum { SLOTS = 192, HEAP = 4 << 20 };
 
 typedef struct slot {
     unsigned char *p;
-    size_t size;  /* bytes asked for */
-    uint8_t seed; /* pattern */
+    size_t size;   /* bytes asked for */
+    size_t usable; /* what the heap granted */
+    uint8_t seed;  /* pattern */
 } slot;
 
 static void fill(slot *s) {
@@ -45,11 +46,16 @@ static size_t pick_size(ts_rng *r) {
 
 /* Run `ops` operations; returns the index of the first failing one, or -1. */
 static long run(uint64_t seed, long ops, const char **why) {
-    void *mem = aligned_alloc(64, HEAP);
-    sp_tlsf_desc d = {.memory = mem, .size = HEAP, .name = "random"};
+    /* Three pools, so blocks in pools other than the first (and their validation) are hit. */
+    void *mem = aligned_alloc(64, HEAP / 2), *extra[2];
+    sp_tlsf_desc d = {.memory = mem, .size = HEAP / 2, .name = "random"};
     sp_tlsf *t = sp_tlsf_create(&d, NULL);
+    for (int i = 0; i < 2; i++) {
+        extra[i] = aligned_alloc(64, HEAP / 4);
+        sp_tlsf_add_pool(t, (char *)extra[i] + 8 * i, HEAP / 4 - 8 * i); /* one unaligned */
+    }
     slot slots[SLOTS] = {{0}};
-    size_t live = 0;
+    size_t live = 0, used = 0;
     ts_rng r;
     ts_rng_seed(&r, seed);
     long failed = -1;
@@ -64,12 +70,14 @@ static long run(uint64_t seed, long ops, const char **why) {
             if (s->p) {
                 s->size = size;
                 s->seed = (uint8_t)ts_rng_next(&r);
+                s->usable = sp_tlsf_usable_size(t, s->p);
                 if (align && ((uintptr_t)s->p & (align - 1)))
                     *why = "misaligned block";
-                else if (sp_tlsf_usable_size(t, s->p) < size)
+                else if (s->usable < size)
                     *why = "usable size too small";
                 fill(s);
                 live++;
+                used += s->usable;
             }
         } else if (kind < 3) {
             size_t size = pick_size(&r), keep = size < s->size ? size : s->size;
@@ -78,6 +86,9 @@ static long run(uint64_t seed, long ops, const char **why) {
             if (q || size == 0) {
                 s->p = q;
                 s->size = size;
+                used -= s->usable;
+                s->usable = q ? sp_tlsf_usable_size(t, q) : 0;
+                used += s->usable;
                 if (q && !intact(s, keep)) *why = "realloc lost contents";
                 if (q)
                     fill(s);
@@ -89,11 +100,13 @@ static long run(uint64_t seed, long ops, const char **why) {
             sp_tlsf_free(t, s->p);
             s->p = NULL;
             live--;
+            used -= s->usable;
         }
         sp_tlsf_status st;
         sp_tlsf_status_get(t, &st);
         if (!*why && sp_tlsf_check(t) != SP_OK) *why = "sp_tlsf_check failed";
         if (!*why && st.live_blocks != live) *why = "live_blocks disagrees with the model";
+        if (!*why && st.bytes_used != used) *why = "bytes_used disagrees with the model";
         if (*why) failed = op;
     }
     for (int i = 0; i < SLOTS; i++)
@@ -104,6 +117,8 @@ static long run(uint64_t seed, long ops, const char **why) {
         }
     if (failed < 0 && sp_tlsf_destroy(t) != 0) failed = ops, *why = "leak at destroy";
     free(mem);
+    free(extra[0]);
+    free(extra[1]);
     return failed;
 }
 

@@ -61,7 +61,7 @@ static void overflow_into_header(void) {
     char *p = sp_tlsf_malloc(heap, 64);
     char *q = sp_tlsf_malloc(heap, 64);
     (void)q;
-    p[64] = 1; /* the first byte after p's 64 usable bytes is q's header */
+    p[64] = 1; /* the first byte after p's 64 usable bytes is the next block's header */
 }
 
 static void read_free_block(void) {
