@@ -1,23 +1,18 @@
 /* The central heap: two-level segregated fit over caller-provided pools (see sp_tlsf.h).
  *
  * Every block starts with a 16-byte header; the payload follows. Physical neighbours are
- * found through the size (next) and the always-valid predecessor pointer (previous); free
+ * found through the size (next) and the always-valid prev_phys pointer (previous); free
  * blocks also sit on a doubly linked list per size class, the links stored in their payload.
  * Two bitmaps say which lists are non-empty, so finding a fitting block is two bit scans.
  *
  *   pool:  [hdr|payload][hdr|payload] ... [hdr|payload][sentinel hdr]
- *   hdr:   prev_phys | PREV_FREE,   tag:24 size:36 | NEXT_FREE FREE
- *
- * Each header mirrors whether its two physical neighbours are free, so free() decides both
- * merges from the one header it must read anyway. Telling a neighbour about a change is a
- * blind store: the successor's first word is (our address | PREV_FREE), and a used
- * predecessor's second word is fully determined by its address and ours. So free() and
- * malloc() load a neighbour's header only when they merge with it: no dependent cache miss
- * and no branch on one in the common case.
+ *   hdr:   prev_phys | tag:16 size:44 flags:4
  *
  * malloc carves from the tail of the free block it finds, so that block keeps its header and,
  * unless its size class changes, its place in its list. Lists are LIFO; only non-head entries
- * keep a valid back link, so popping a head never touches its successor.
+ * keep a valid back link, so popping a head never touches its successor. (A variant that
+ * mirrored each neighbour's state in every header, trading the successor's header load for
+ * blind stores, measured 8-10% slower on the tlsf benchmarks: see bench/README.md.)
  */
 #include "sp_tlsf.h"
 
@@ -44,32 +39,27 @@ enum {
     MIN_BLOCK = HEADER + MIN_PAYLOAD,
 };
 
-#define FLAG_FREE ((uint64_t)1)       /* in size_flags */
-#define FLAG_NEXT_FREE ((uint64_t)2)  /* in size_flags */
-#define FLAG_PREV_FREE ((uintptr_t)1) /* in prev_word */
-#define SIZE_MASK ((((uint64_t)1 << 40) - 1) & ~(uint64_t)(ALIGN - 1))
-#define TAG_MASK (~(((uint64_t)1 << 40) - 1))
+#define FLAG_FREE ((uint64_t)1)
+#define FLAG_PREV_FREE ((uint64_t)2)
+#define SIZE_MASK ((((uint64_t)1 << 48) - 1) & ~(uint64_t)(ALIGN - 1))
+#define TAG_MASK (~(((uint64_t)1 << 48) - 1))
 #define DEAD_MARK ((uint64_t)0xDEAD << 48)
 #define MAX_ALIGN ((size_t)1 << 30)
-#ifndef TLSF_CHECK_BACKLINK
-#define TLSF_CHECK_BACKLINK (SP_DEBUG >= 1)
-#endif
 
 _Static_assert(FL_COUNT <= 32, "fl bitmap is 32 bits");
 _Static_assert(SP_TLSF_MAX_BLOCK < ((size_t)1 << 40), "largest block must map below FL_COUNT");
 
 typedef struct block block;
 struct block {
-    uintptr_t prev_word; /* physical predecessor | FLAG_PREV_FREE; 0 for a pool's first block */
-    uint64_t size_flags; /* tag | payload size | FLAG_NEXT_FREE | FLAG_FREE */
+    block *prev_phys;    /* physical predecessor in the pool; NULL for a pool's first block */
+    uint64_t size_flags; /* tag | payload size | FLAG_* */
     /* payload; while the block is free it starts with: */
     block *next_free;
     block *prev_free;
 };
 
 typedef struct pool_range {
-    uintptr_t lo, hi;          /* first header .. end of the sentinel header */
-    uintptr_t first, last_off; /* payload addresses a: first <= a <= first + last_off */
+    uintptr_t lo, hi; /* first header .. end of the sentinel header */
 } pool_range;
 
 struct sp_tlsf {
@@ -77,9 +67,8 @@ struct sp_tlsf {
     uint32_t sl_bitmap[FL_COUNT];
     block *heads[FL_COUNT][SL_COUNT];
 
-    /* status, kept exact on every operation. Free figures are derived: every byte of a pool is
-     * a header, used payload or free payload, so only splits and merges touch `headers`. */
-    size_t bytes_used, live_blocks, high_water, headers, pool_bytes, bytes_total;
+    /* status, kept exact on every operation */
+    size_t bytes_used, bytes_free, live_blocks, free_blocks, high_water, bytes_total;
 
     uint64_t secret; /* per-heap salt of the header tags */
     size_t pool_count;
@@ -90,12 +79,9 @@ struct sp_tlsf {
 };
 
 /* ---- headers ------------------------------------------------------------------------------
- * Invariants: a header's tag is tag_of(its address); the predecessor pointer is valid for
- * every block; FLAG_PREV_FREE mirrors the predecessor's FLAG_FREE and FLAG_NEXT_FREE the
- * successor's (a pool's first block has none: flag clear); no two free blocks are neighbours. */
+ * Invariants: a header's tag is tag_of(its address); prev_phys is valid for every block;
+ * FLAG_PREV_FREE mirrors the predecessor's FLAG_FREE; no two free blocks are neighbours. */
 
-/* 24 bits mixed from every bit of the header's address and a per-heap secret: user data, or
- * a header copied to another address, passes for a header with probability 2^-24. */
 TRACK_INTERNAL SP_INLINE uint64_t tag_of(const sp_tlsf *t, const block *b) {
     return (((uint64_t)(uintptr_t)b ^ t->secret) * 0x9E3779B97F4A7C15ull) & TAG_MASK;
 }
@@ -106,13 +92,7 @@ TRACK_INTERNAL SP_INLINE bool block_is_free(const block *b) {
     return b->size_flags & FLAG_FREE;
 }
 TRACK_INTERNAL SP_INLINE bool block_prev_is_free(const block *b) {
-    return b->prev_word & FLAG_PREV_FREE;
-}
-TRACK_INTERNAL SP_INLINE block *block_prev(const block *b) {
-    return (block *)(b->prev_word & ~(uintptr_t)(ALIGN - 1));
-}
-TRACK_INTERNAL SP_INLINE bool block_next_is_free(const block *b) {
-    return b->size_flags & FLAG_NEXT_FREE;
+    return b->size_flags & FLAG_PREV_FREE;
 }
 TRACK_INTERNAL SP_INLINE void *block_payload(const block *b) {
     return (char *)b + HEADER;
@@ -126,35 +106,20 @@ TRACK_INTERNAL SP_INLINE block *block_next(const block *b) {
 TRACK_INTERNAL SP_INLINE void block_set_size(block *b, size_t size) {
     b->size_flags = (b->size_flags & ~SIZE_MASK) | size;
 }
-TRACK_INTERNAL SP_INLINE void block_init(sp_tlsf *t, block *b, block *prev, bool prev_free,
-                                         size_t size, uint64_t flags) {
-    b->prev_word = (uintptr_t)prev | (prev_free ? FLAG_PREV_FREE : 0);
+TRACK_INTERNAL SP_INLINE void block_init(const sp_tlsf *t, block *b, block *prev, size_t size,
+                                         uint64_t flags) {
+    b->prev_phys = prev;
     b->size_flags = tag_of(t, b) | size | flags;
-    t->headers++;
 }
 /* A header swallowed by a merge: marked so a later free of its payload reads as double free. */
-TRACK_INTERNAL SP_INLINE void block_kill(sp_tlsf *t, block *b) {
+TRACK_INTERNAL SP_INLINE void block_kill(const sp_tlsf *t, block *b) {
     b->size_flags = tag_of(t, b) ^ DEAD_MARK;
-    t->headers--;
 }
-/* Derived status: a pool is headers, used payload and free payload (and one sentinel). */
-TRACK_INTERNAL SP_INLINE size_t heap_bytes_free(const sp_tlsf *t) {
-    return t->pool_bytes - t->headers * HEADER - t->bytes_used;
-}
-TRACK_INTERNAL SP_INLINE size_t heap_free_blocks(const sp_tlsf *t) {
-    return t->headers - t->pool_count - t->live_blocks;
-}
-/* Tell the successor of b who its predecessor is and whether it is free: one blind store. */
+/* Tell the successor of b that b is now free (or not), and who its predecessor is. */
 TRACK_INTERNAL SP_INLINE void block_link_next(block *b, bool b_free) {
-    block_next(b)->prev_word = (uintptr_t)b | (b_free ? FLAG_PREV_FREE : 0);
-}
-/* Tell b's predecessor, which must be in use, whether b is free: one blind store, since a used
- * block's size_flags follow from its address and b's. */
-TRACK_INTERNAL SP_INLINE void block_tell_prev(const sp_tlsf *t, block *b, bool b_free) {
-    block *prev = block_prev(b);
-    if (prev)
-        prev->size_flags = tag_of(t, prev) | ((uintptr_t)b - (uintptr_t)prev - HEADER) |
-                           (b_free ? FLAG_NEXT_FREE : 0);
+    block *next = block_next(b);
+    next->prev_phys = b;
+    next->size_flags = (next->size_flags & ~FLAG_PREV_FREE) | (b_free ? FLAG_PREV_FREE : 0);
 }
 
 /* ---- size classes ------------------------------------------------------------------------ */
@@ -193,17 +158,22 @@ TRACK_INTERNAL SP_INLINE size_t adjust_size(size_t size) {
 
 TRACK_INTERNAL SP_INLINE void list_insert(sp_tlsf *t, block *b) {
     unsigned fl, sl;
-    mapping_insert(block_size(b), &fl, &sl);
+    size_t size = block_size(b);
+    mapping_insert(size, &fl, &sl);
     block *head = t->heads[fl][sl];
     b->next_free = head;
     if (head) head->prev_free = b;
     t->heads[fl][sl] = b;
     t->fl_bitmap |= 1u << fl;
     t->sl_bitmap[fl] |= 1u << sl;
+    t->bytes_free += size;
+    t->free_blocks++;
 }
 
-/* Unlink b from list (fl, sl), the list of its size class. */
-TRACK_INTERNAL SP_INLINE void list_remove_at(sp_tlsf *t, block *b, unsigned fl, unsigned sl) {
+TRACK_INTERNAL SP_INLINE void list_remove(sp_tlsf *t, block *b) {
+    unsigned fl, sl;
+    size_t size = block_size(b);
+    mapping_insert(size, &fl, &sl);
     block *next = b->next_free;
     if (t->heads[fl][sl] == b) {
         t->heads[fl][sl] = next;
@@ -216,51 +186,46 @@ TRACK_INTERNAL SP_INLINE void list_remove_at(sp_tlsf *t, block *b, unsigned fl, 
         prev->next_free = next;
         if (next) next->prev_free = prev;
     }
+    t->bytes_free -= size;
+    t->free_blocks--;
 }
 
-TRACK_INTERNAL SP_INLINE void list_remove(sp_tlsf *t, block *b) {
-    unsigned fl, sl;
+/* The listed free block b takes a new size. It changes lists only if its class changes:
+ * growing a large free block by a merge, or carving an allocation off its end, usually
+ * touches no list at all. */
+TRACK_INTERNAL SP_INLINE void list_resize(sp_tlsf *t, block *b, size_t size) {
+    unsigned fl, sl, nfl, nsl;
     mapping_insert(block_size(b), &fl, &sl);
-    list_remove_at(t, b, fl, sl);
-}
-
-/* The free block b, on list (fl, sl), takes a new size. It changes lists only if its class
- * changes: growing a large free block by a merge, or carving an allocation off its end,
- * often touches no list at all. */
-TRACK_INTERNAL SP_INLINE void list_resize_at(sp_tlsf *t, block *b, unsigned fl, unsigned sl,
-                                             size_t size) {
-    unsigned nfl, nsl;
     mapping_insert(size, &nfl, &nsl);
     if (fl == nfl && sl == nsl) {
+        t->bytes_free = t->bytes_free - block_size(b) + size;
         block_set_size(b, size);
         return;
     }
-    list_remove_at(t, b, fl, sl);
+    list_remove(t, b);
     block_set_size(b, size);
     list_insert(t, b);
 }
 
-/* A free block with payload >= size, or NULL; (*fl, *sl) is the list it heads. Two bit scans
- * and, if the rounded class is empty, one look at the head of the exact class (so a request
- * as large as the largest free block still succeeds). */
-TRACK_INTERNAL SP_INLINE block *list_find(sp_tlsf *t, size_t size, unsigned *fl, unsigned *sl) {
-    mapping_search(size, fl, sl);
-    if (SP_LIKELY(*fl < FL_COUNT)) {
-        uint32_t sl_map = t->sl_bitmap[*fl] & (~0u << *sl);
+/* A free block with payload >= size, or NULL. Two bit scans and, if the rounded class is
+ * empty, one look at the head of the exact class (so a request as large as the largest free
+ * block still succeeds). */
+TRACK_INTERNAL SP_INLINE block *list_find(sp_tlsf *t, size_t size) {
+    unsigned fl, sl;
+    mapping_search(size, &fl, &sl);
+    if (SP_LIKELY(fl < FL_COUNT)) {
+        uint32_t sl_map = t->sl_bitmap[fl] & (~0u << sl);
         if (!sl_map) {
-            uint32_t fl_map = *fl + 1 < 32 ? t->fl_bitmap & (~0u << (*fl + 1)) : 0;
+            uint32_t fl_map = fl + 1 < 32 ? t->fl_bitmap & (~0u << (fl + 1)) : 0;
             if (fl_map) {
-                *fl = (unsigned)__builtin_ctz(fl_map);
-                sl_map = t->sl_bitmap[*fl];
+                fl = (unsigned)__builtin_ctz(fl_map);
+                sl_map = t->sl_bitmap[fl];
             }
         }
-        if (sl_map) {
-            *sl = (unsigned)__builtin_ctz(sl_map);
-            return t->heads[*fl][*sl];
-        }
+        if (sl_map) return t->heads[fl][(unsigned)__builtin_ctz(sl_map)];
     }
-    mapping_insert(size, fl, sl);
-    block *b = *fl < FL_COUNT ? t->heads[*fl][*sl] : NULL;
+    mapping_insert(size, &fl, &sl);
+    block *b = fl < FL_COUNT ? t->heads[fl][sl] : NULL;
     return b && block_size(b) >= size ? b : NULL;
 }
 
@@ -271,22 +236,20 @@ TRACK_INTERNAL SP_INLINE block *list_find(sp_tlsf *t, size_t size, unsigned *fl,
  * correctly linked and flagged either way. */
 TRACK_INTERNAL static void block_trim_tail(sp_tlsf *t, block *b, size_t want) {
     size_t size = block_size(b);
-    if (size - want < MIN_BLOCK) { /* b's FLAG_NEXT_FREE is already right */
+    if (size - want < MIN_BLOCK) {
         block_link_next(b, false);
         return;
     }
     block *next = block_next(b);
-    bool next_free = block_next_is_free(b);
     block_set_size(b, want);
-    b->size_flags |= FLAG_NEXT_FREE;
     block *rest = block_next(b);
     size_t rest_size = size - want - HEADER;
-    if (next_free) {
+    if (block_is_free(next)) {
         list_remove(t, next);
         rest_size += HEADER + block_size(next);
         block_kill(t, next);
     }
-    block_init(t, rest, b, false, rest_size, FLAG_FREE);
+    block_init(t, rest, b, rest_size, FLAG_FREE);
     block_link_next(rest, true);
     list_insert(t, rest);
 }
@@ -294,7 +257,6 @@ TRACK_INTERNAL static void block_trim_tail(sp_tlsf *t, block *b, size_t want) {
 /* Hand the free, unlisted block b to the user with `want` payload bytes. */
 TRACK_INTERNAL SP_INLINE void *block_use(sp_tlsf *t, block *b, size_t want) {
     b->size_flags &= ~FLAG_FREE;
-    if (!block_prev_is_free(b)) block_tell_prev(t, b, false);
     block_trim_tail(t, b, want);
     size_t size = block_size(b);
     t->bytes_used += size;
@@ -311,7 +273,7 @@ TRACK_INTERNAL static void block_release(sp_tlsf *t, block *b) {
     t->live_blocks--;
     track_free(block_payload(b), size);
     block *next = block_next(b);
-    if (block_next_is_free(b)) {
+    if (block_is_free(next)) {
         block *after = block_next(next);
         list_remove(t, next);
         size += HEADER + block_size(next);
@@ -319,28 +281,23 @@ TRACK_INTERNAL static void block_release(sp_tlsf *t, block *b) {
         next = after;
     }
     if (block_prev_is_free(b)) {
-        block *prev = block_prev(b);
-        unsigned fl, sl;
-        mapping_insert(block_size(prev), &fl, &sl);
+        block *prev = b->prev_phys;
         block_kill(t, b);
         b = prev;
-        b->size_flags &= ~FLAG_NEXT_FREE;
-        list_resize_at(t, b, fl, sl, block_size(b) + HEADER + size);
+        list_resize(t, b, block_size(b) + HEADER + size);
     } else {
-        b->size_flags = (b->size_flags & TAG_MASK) | size | FLAG_FREE;
-        block_tell_prev(t, b, true);
+        b->size_flags |= FLAG_FREE;
+        block_set_size(b, size);
         list_insert(t, b);
     }
-    next->prev_word = (uintptr_t)b | FLAG_PREV_FREE;
+    next->prev_phys = b;
+    next->size_flags |= FLAG_PREV_FREE;
 }
 
 /* ---- validation of caller pointers ----------------------------------------------------------
- * O(pools) + one header read, in every build: the pointer must lie in a pool, be aligned, and
- * its header must carry this heap's 24-bit tag for that address, a plausible size and no
- * FLAG_FREE (a merged-away header carries a dead mark: double free). Arbitrary user data, or
- * a header copied to another address, passes with probability 2^-24. Debug builds also
- * require the successor to point back (TLSF_CHECK_BACKLINK), which makes a forged header
- * pass only with an exact pointer match too, at the price of a dependent cache miss per free. */
+ * O(pools) + two header reads, in every build. The header must carry this heap's tag for its
+ * address and its successor must point back at it: an interior pointer into user data passes
+ * both only by a 2^-16 chance times an exact pointer match. */
 
 typedef struct verdict {
     sp_result id;
@@ -354,65 +311,43 @@ TRACK_INTERNAL static const pool_range *pool_of(const sp_tlsf *t, const void *p)
     uintptr_t a = (uintptr_t)p;
     size_t n = __atomic_load_n(&t->pool_count, __ATOMIC_ACQUIRE);
     for (size_t i = 0; i < n; i++)
-        if (a - t->pools[i].lo < t->pools[i].hi - t->pools[i].lo) return &t->pools[i];
+        if (a >= t->pools[i].lo && a < t->pools[i].hi) return &t->pools[i];
     return NULL;
 }
 
-/* Why p is not a payload address of any pool (slow path of block_check_live). */
-TRACK_INTERNAL SP_COLD static verdict pointer_classify(const sp_tlsf *t, const void *p,
-                                                       const pool_range **out) {
-    uintptr_t a = (uintptr_t)p;
+TRACK_INTERNAL static verdict block_check_live(const sp_tlsf *t, const void *p) {
+    verdict v = {SP_OK, NULL, NULL};
     const pool_range *pool = pool_of(t, p);
-    *out = NULL;
-    if (!pool) return (verdict){SP_ERR_FOREIGN_POINTER, "pointer is not inside this heap", NULL};
-    uintptr_t off = a - pool->first;
-    if (off > pool->last_off || (off & (ALIGN - 1)))
-        return (verdict){SP_ERR_INVALID_POINTER, "misaligned pointer: not a block start", NULL};
-    *out = pool;
-    return (verdict){SP_OK, NULL, NULL};
-}
-
-TRACK_INTERNAL SP_INLINE verdict block_check_live(const sp_tlsf *t, const void *p) {
     uintptr_t a = (uintptr_t)p;
-    const pool_range *pool = &t->pools[0];
-    uintptr_t off = a - pool->first; /* pool->first is aligned: off carries a's misalignment */
-    if (SP_UNLIKELY(off > pool->last_off || (off & (ALIGN - 1)))) {
-        verdict v = pointer_classify(t, p, &pool);
-        if (!pool) return v;
-        off = a - pool->first;
-    }
+    if (!pool) return (verdict){SP_ERR_FOREIGN_POINTER, "pointer is not inside this heap", NULL};
+    if ((a & (ALIGN - 1)) || a < pool->lo + HEADER || a + HEADER > pool->hi)
+        return (verdict){SP_ERR_INVALID_POINTER, "misaligned pointer: not a block start", NULL};
     block *b = block_of(p);
     uint64_t sf = b->size_flags, tag = tag_of(t, b);
     track_value_defined(&sf, sizeof sf); /* for a bad pointer this is user data */
-    if (SP_UNLIKELY((sf & (TAG_MASK | FLAG_FREE)) != tag)) {
+    if ((sf & TAG_MASK) != tag) {
         if (sf == (tag ^ DEAD_MARK))
             return (verdict){SP_ERR_DOUBLE_FREE, "block was already freed (and merged)", NULL};
-        if ((sf & TAG_MASK) == tag)
-            return (verdict){SP_ERR_DOUBLE_FREE, "block is already free", NULL};
         return (verdict){SP_ERR_INVALID_POINTER, "not the start of a block (interior pointer?)",
                          NULL};
     }
-    if (SP_UNLIKELY((sf & SIZE_MASK) > pool->last_off - off + HEADER)) /* next header in pool */
-        return (verdict){SP_ERR_INVALID_POINTER, "header size runs off the pool", NULL};
-#if TLSF_CHECK_BACKLINK
-    if (block_prev(block_next(b)) != b)
+    if (sf & FLAG_FREE) return (verdict){SP_ERR_DOUBLE_FREE, "block is already free", NULL};
+    size_t size = sf & SIZE_MASK;
+    if (size > pool->hi - a - HEADER || block_next(b)->prev_phys != b)
         return (verdict){SP_ERR_INVALID_POINTER, "header does not match its neighbour", NULL};
-#endif
-    return (verdict){SP_OK, NULL, b};
+    v.b = b;
+    return v;
 }
 
 /* ---- locking ------------------------------------------------------------------------------- */
 
-/* Returns whether the lock was taken; pass that to heap_unlock (one read of t->locked). */
-TRACK_INTERNAL SP_INLINE bool heap_lock(sp_tlsf *t) {
-    bool locked = t->locked;
-    if (locked) sp_mutex_lock(&t->lock);
+TRACK_INTERNAL SP_INLINE void heap_lock(sp_tlsf *t) {
+    if (t->locked) sp_mutex_lock(&t->lock);
     track_enter();
-    return locked;
 }
-TRACK_INTERNAL SP_INLINE void heap_unlock(sp_tlsf *t, bool locked) {
+TRACK_INTERNAL SP_INLINE void heap_unlock(sp_tlsf *t) {
     track_leave();
-    if (locked) sp_mutex_unlock(&t->lock);
+    if (t->locked) sp_mutex_unlock(&t->lock);
 }
 
 SP_COLD static void report(const sp_tlsf *t, const char *call, const void *p, verdict v) {
@@ -452,14 +387,13 @@ TRACK_INTERNAL static pool_verdict pool_add(sp_tlsf *t, void *memory, size_t siz
         return (pool_verdict){SP_ERR_LIMIT, "pool table full (SP_TLSF_MAX_POOLS)"};
     track_pool((void *)lo, hi - lo);
     block *first = (block *)lo;
-    block_init(t, first, NULL, false, payload, FLAG_FREE);
+    block_init(t, first, NULL, payload, FLAG_FREE);
     block *sentinel = block_next(first);
-    block_init(t, sentinel, first, true, 0, 0);
+    block_init(t, sentinel, first, 0, FLAG_PREV_FREE);
     list_insert(t, first);
-    t->pools[t->pool_count] = (pool_range){lo, hi, lo + HEADER, hi - 3 * HEADER - lo};
+    t->pools[t->pool_count] = (pool_range){lo, hi};
     __atomic_store_n(&t->pool_count, t->pool_count + 1, __ATOMIC_RELEASE);
     t->bytes_total += hi - lo;
-    t->pool_bytes += hi - lo;
     return (pool_verdict){SP_OK, NULL};
 }
 
@@ -517,9 +451,9 @@ size_t sp_tlsf_destroy(sp_tlsf *t) {
 }
 
 sp_result sp_tlsf_add_pool(sp_tlsf *t, void *memory, size_t size) {
-    bool locked = heap_lock(t);
+    heap_lock(t);
     pool_verdict v = pool_add(t, memory, size);
-    heap_unlock(t, locked);
+    heap_unlock(t);
     return v.id == SP_OK ? SP_OK : pool_report(v, "sp_tlsf_add_pool", memory, size);
 }
 
@@ -528,12 +462,11 @@ sp_result sp_tlsf_add_pool(sp_tlsf *t, void *memory, size_t size) {
 /* Carve `want` bytes off the end of the listed free block b. b keeps its header and, if its
  * class does not change, its place in its list; the new block's successor learns its new
  * predecessor. */
-TRACK_INTERNAL SP_INLINE void *block_carve_tail(sp_tlsf *t, block *b, unsigned fl, unsigned sl,
-                                                size_t want) {
+TRACK_INTERNAL SP_INLINE void *block_carve_tail(sp_tlsf *t, block *b, size_t want) {
     size_t rest = block_size(b) - want - HEADER;
-    list_resize_at(t, b, fl, sl, rest);
+    list_resize(t, b, rest);
     block *a = block_next(b);
-    block_init(t, a, b, true, want, 0);
+    block_init(t, a, b, want, FLAG_PREV_FREE);
     block_link_next(a, false);
     t->bytes_used += want;
     t->live_blocks++;
@@ -545,19 +478,18 @@ TRACK_INTERNAL SP_INLINE void *block_carve_tail(sp_tlsf *t, block *b, unsigned f
 TRACK_INTERNAL static void *heap_malloc(sp_tlsf *t, size_t size) {
     if (SP_UNLIKELY(size > SP_TLSF_MAX_BLOCK)) return NULL;
     size_t want = adjust_size(size);
-    bool locked = heap_lock(t);
+    heap_lock(t);
     void *p = NULL;
-    unsigned fl, sl;
-    block *b = list_find(t, want, &fl, &sl);
+    block *b = list_find(t, want);
     if (SP_LIKELY(b)) {
         if (block_size(b) - want >= MIN_BLOCK) {
-            p = block_carve_tail(t, b, fl, sl, want);
+            p = block_carve_tail(t, b, want);
         } else {
-            list_remove_at(t, b, fl, sl);
+            list_remove(t, b);
             p = block_use(t, b, want);
         }
     }
-    heap_unlock(t, locked);
+    heap_unlock(t);
     return p;
 }
 
@@ -576,12 +508,11 @@ TRACK_INTERNAL void *sp_tlsf_aligned_alloc(sp_tlsf *t, size_t align, size_t size
     size_t want = adjust_size(size);
     /* Room for the worst gap in front: a gap is either 0 or a whole free block (>= MIN_BLOCK). */
     size_t search = want + align + MIN_BLOCK;
-    bool locked = heap_lock(t);
+    heap_lock(t);
     void *p = NULL;
-    unsigned fl, sl;
-    block *b = list_find(t, search, &fl, &sl);
+    block *b = list_find(t, search);
     if (b) {
-        list_remove_at(t, b, fl, sl);
+        list_remove(t, b);
         uintptr_t start = (uintptr_t)block_payload(b);
         uintptr_t at = sp_align_up(start, align);
         if (at != start && at - start < MIN_BLOCK) at = sp_align_up(start + MIN_BLOCK, align);
@@ -590,22 +521,23 @@ TRACK_INTERNAL void *sp_tlsf_aligned_alloc(sp_tlsf *t, size_t align, size_t size
             size_t gap = at - start, total = block_size(b);
             block *aligned = block_of((void *)at);
             block_set_size(b, gap - HEADER);
-            block_init(t, aligned, b, true, total - gap, 0);
+            block_init(t, aligned, b, total - gap, 0);
             list_insert(t, b);
+            block_link_next(b, true);
             b = aligned;
         }
         p = block_use(t, b, want);
     }
-    heap_unlock(t, locked);
+    heap_unlock(t);
     return p;
 }
 
 TRACK_INTERNAL void sp_tlsf_free(sp_tlsf *t, void *p) {
     if (!p) return;
-    bool locked = heap_lock(t);
+    heap_lock(t);
     verdict v = block_check_live(t, p);
     if (SP_LIKELY(v.b)) block_release(t, v.b);
-    heap_unlock(t, locked);
+    heap_unlock(t);
     if (SP_UNLIKELY(!v.b)) report(t, "sp_tlsf_free", p, v);
 }
 
@@ -614,11 +546,10 @@ TRACK_INTERNAL static bool block_resize_in_place(sp_tlsf *t, block *b, size_t wa
     size_t old = block_size(b);
     if (want > old) {
         block *next = block_next(b);
-        if (!block_next_is_free(b) || old + HEADER + block_size(next) < want) return false;
+        if (!block_is_free(next) || old + HEADER + block_size(next) < want) return false;
         list_remove(t, next);
         block_set_size(b, old + HEADER + block_size(next));
         block_kill(t, next);
-        b->size_flags &= ~FLAG_NEXT_FREE;
     }
     block_trim_tail(t, b, want);
     size_t now = block_size(b);
@@ -630,7 +561,7 @@ TRACK_INTERNAL static bool block_resize_in_place(sp_tlsf *t, block *b, size_t wa
 
 TRACK_INTERNAL void *sp_tlsf_realloc(sp_tlsf *t, void *p, size_t size) {
     if (!p) return heap_malloc(t, size);
-    bool locked = heap_lock(t);
+    heap_lock(t);
     verdict v = block_check_live(t, p);
     size_t old = v.b ? block_size(v.b) : 0;
     bool done = false;
@@ -638,7 +569,7 @@ TRACK_INTERNAL void *sp_tlsf_realloc(sp_tlsf *t, void *p, size_t size) {
         block_release(t, v.b); /* realloc(p, 0) frees p, returns NULL */
     else if (v.b && size <= SP_TLSF_MAX_BLOCK)
         done = block_resize_in_place(t, v.b, adjust_size(size));
-    heap_unlock(t, locked);
+    heap_unlock(t);
     if (SP_UNLIKELY(!v.b)) {
         report(t, "sp_tlsf_realloc", p, v);
         return NULL;
@@ -655,10 +586,10 @@ TRACK_INTERNAL void *sp_tlsf_realloc(sp_tlsf *t, void *p, size_t size) {
 
 TRACK_INTERNAL size_t sp_tlsf_usable_size(sp_tlsf *t, const void *p) {
     if (!p) return 0;
-    bool locked = heap_lock(t);
+    heap_lock(t);
     verdict v = block_check_live(t, p);
     size_t size = v.b ? block_size(v.b) : 0;
-    heap_unlock(t, locked);
+    heap_unlock(t);
     if (!v.b) report(t, "sp_tlsf_usable_size", p, v);
     return size;
 }
@@ -670,28 +601,28 @@ bool sp_tlsf_owns(const sp_tlsf *t, const void *p) {
 /* ---- status, walk, check ------------------------------------------------------------------- */
 
 TRACK_INTERNAL void sp_tlsf_status_get(sp_tlsf *t, sp_tlsf_status *out) {
-    bool locked = heap_lock(t);
-    size_t largest = 0, bytes_free = heap_bytes_free(t);
+    heap_lock(t);
+    size_t largest = 0;
     if (t->fl_bitmap) {
         unsigned fl = bit_high(t->fl_bitmap);
         largest = block_size(t->heads[fl][bit_high(t->sl_bitmap[fl])]);
     }
     *out = (sp_tlsf_status){
         .bytes_used = t->bytes_used,
-        .bytes_free = bytes_free,
-        .bytes_overhead = t->bytes_total - t->bytes_used - bytes_free,
+        .bytes_free = t->bytes_free,
+        .bytes_overhead = t->bytes_total - t->bytes_used - t->bytes_free,
         .largest_free = largest,
         .live_blocks = t->live_blocks,
-        .free_blocks = heap_free_blocks(t),
+        .free_blocks = t->free_blocks,
         .high_water = t->high_water,
-        .fragmentation = bytes_free ? 1.0 - (double)largest / (double)bytes_free : 0.0,
+        .fragmentation = t->bytes_free ? 1.0 - (double)largest / (double)t->bytes_free : 0.0,
         .pool_count = t->pool_count,
     };
-    heap_unlock(t, locked);
+    heap_unlock(t);
 }
 
 TRACK_INTERNAL void sp_tlsf_walk(sp_tlsf *t, sp_tlsf_walker fn, void *user) {
-    bool locked = heap_lock(t);
+    heap_lock(t);
     for (size_t i = 0; i < t->pool_count; i++) {
         block *end = (block *)(t->pools[i].hi - HEADER);
         for (block *b = (block *)t->pools[i].lo; b < end; b = block_next(b)) {
@@ -703,7 +634,7 @@ TRACK_INTERNAL void sp_tlsf_walk(sp_tlsf *t, sp_tlsf_walker fn, void *user) {
             track_enter();
         }
     }
-    heap_unlock(t, locked);
+    heap_unlock(t);
 }
 
 #define CHECK(cond, addr, ...)                                                                     \
@@ -719,19 +650,15 @@ TRACK_INTERNAL sp_result sp_tlsf_check(sp_tlsf *t) {
     char why[160];
     const void *bad = NULL;
     size_t used = 0, free_bytes = 0, live = 0, free_count = 0;
-    bool locked = heap_lock(t);
+    heap_lock(t);
     for (size_t i = 0; i < t->pool_count; i++) {
         block *end = (block *)(t->pools[i].hi - HEADER), *prev = NULL, *b;
         bool prev_free = false;
         for (b = (block *)t->pools[i].lo; b < end; b = block_next(b)) {
             CHECK((b->size_flags & TAG_MASK) == tag_of(t, b), b, "header tag is wrong");
-            CHECK(block_prev(b) == prev, b, "prev_phys does not point at the previous block");
+            CHECK(b->prev_phys == prev, b, "prev_phys does not point at the previous block");
             CHECK(block_prev_is_free(b) == prev_free, b, "FLAG_PREV_FREE disagrees with neighbour");
-            CHECK(!(b->size_flags & (ALIGN - 1) & ~(FLAG_FREE | FLAG_NEXT_FREE)) &&
-                      !(b->prev_word & (ALIGN - 1) & ~FLAG_PREV_FREE),
-                  b, "stray flag");
-            CHECK(!prev || block_next_is_free(prev) == block_is_free(b), prev,
-                  "FLAG_NEXT_FREE disagrees with neighbour");
+            CHECK(!(b->size_flags & (ALIGN - 1) & ~(FLAG_FREE | FLAG_PREV_FREE)), b, "stray flag");
             size_t size = block_size(b);
             CHECK(size >= MIN_PAYLOAD, b, "block smaller than the minimum");
             CHECK(size <= (uintptr_t)end - (uintptr_t)block_payload(b), b, "block runs off pool");
@@ -747,8 +674,7 @@ TRACK_INTERNAL sp_result sp_tlsf_check(sp_tlsf *t) {
         CHECK(b == end, b, "last block does not end at the sentinel");
         CHECK((b->size_flags & TAG_MASK) == tag_of(t, b) && block_size(b) == 0 && !block_is_free(b),
               b, "sentinel header damaged");
-        CHECK(block_prev(b) == prev && block_prev_is_free(b) == prev_free, b, "sentinel links");
-        CHECK(!block_next_is_free(prev), prev, "FLAG_NEXT_FREE set before the sentinel");
+        CHECK(b->prev_phys == prev && block_prev_is_free(b) == prev_free, b, "sentinel links");
     }
     size_t listed = 0;
     for (unsigned fl = 0; fl < FL_COUNT; fl++) {
@@ -773,12 +699,11 @@ TRACK_INTERNAL sp_result sp_tlsf_check(sp_tlsf *t) {
     }
     CHECK(listed == free_count, t, "%zu free blocks but %zu on lists", free_count, listed);
     CHECK(used == t->bytes_used && live == t->live_blocks, t, "used counters drifted");
-    CHECK(free_bytes == heap_bytes_free(t) && free_count == heap_free_blocks(t), t,
-          "free counters drifted");
-    heap_unlock(t, locked);
+    CHECK(free_bytes == t->bytes_free && free_count == t->free_blocks, t, "free counters drifted");
+    heap_unlock(t);
     return SP_OK;
 fail:
-    heap_unlock(t, locked);
+    heap_unlock(t);
     sp_log(SP_LOG_ERROR, SP_ERR_CORRUPT, "sp_tlsf_check", bad, "%s", why);
     return SP_ERR_CORRUPT;
 }
