@@ -108,28 +108,32 @@ static _Noreturn void die_with(sp_log_record *rec) {
     abort();
 }
 
-_Noreturn void sp_die(sp_result id, const char *call, const void *addr, const char *fmt, ...) {
+/* Format once, log at `level`, and die (as a FATAL record) if `fatal`. */
+static void report_v(sp_log_level level, sp_result id, const char *call, const void *addr,
+                     bool fatal, const char *fmt, va_list ap) {
     char msg[512];
-    va_list ap;
-    va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    sp_log(SP_LOG_FATAL, id, call, addr, "%s", msg);
-    sp_log_record rec = {SP_LOG_FATAL, id, call, addr, msg};
-    die_with(&rec);
-}
-
-sp_result sp_misuse(sp_result id, const char *call, const void *addr, const char *fmt, ...) {
-    char msg[512];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    sp_log(SP_LOG_ERROR, id, call, addr, "%s", msg);
-    if (atomic_load_explicit(&misuse_fatal_flag, memory_order_relaxed)) {
+    sp_log(level, id, call, addr, "%s", msg);
+    if (fatal) {
         sp_log_record rec = {SP_LOG_FATAL, id, call, addr, msg};
         die_with(&rec);
     }
+}
+
+_Noreturn void sp_die(sp_result id, const char *call, const void *addr, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    report_v(SP_LOG_FATAL, id, call, addr, true, fmt, ap);
+    va_end(ap);
+    abort(); /* not reached: report_v died */
+}
+
+sp_result sp_misuse(sp_result id, const char *call, const void *addr, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    report_v(SP_LOG_ERROR, id, call, addr,
+             atomic_load_explicit(&misuse_fatal_flag, memory_order_relaxed), fmt, ap);
+    va_end(ap);
     return id;
 }
 
