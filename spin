@@ -12,7 +12,8 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 cd "$ROOT" || exit 1
 
 PACKAGES=(meson ninja-build pkg-config gcc g++ clang-14 libclang-rt-14-dev liburcu-dev
-          libbenchmark-dev valgrind libjemalloc-dev libgoogle-perftools-dev libmimalloc-dev)
+          libbenchmark-dev valgrind libjemalloc-dev libgoogle-perftools-dev libmimalloc-dev
+          gcc-aarch64-linux-gnu)
 
 # Build directories: compiler environment and meson options. Changing these lines makes the
 # next run re-create the directory (see setup_dir).
@@ -27,6 +28,8 @@ TSAN_OPTS=(--buildtype=debugoptimized -Db_sanitize=thread -Db_lundef=false -Dben
 VALGRIND_ENV=(CC=gcc CXX=g++)
 VALGRIND_OPTS=(--buildtype=debugoptimized -Ddebug_level=1 -Dvalgrind=true -Dbench=disabled
                -Ddemos=false)
+AARCH64_ENV=()
+AARCH64_OPTS=(--cross-file "$ROOT/.ci/cross-aarch64.ini" -Dbench=disabled)
 FUZZ_ENV=(CC=clang-14 CXX=clang++-14)
 FUZZ_OPTS=(--buildtype=debugoptimized -Dfuzzing=true -Db_sanitize=address,undefined
            -Db_lundef=false -Dbench=disabled -Ddemos=false)
@@ -215,7 +218,7 @@ cmd_test() {
     local t_all
     t_all=$(now)
     # Stale logs of every build dir this command uses are removed up front.
-    rm -f build-{debug,tsan,release,valgrind,fuzz}/meson-logs/{testlog,benchlog}*.json
+    rm -f build-{debug,tsan,release,valgrind,aarch64,fuzz}/meson-logs/{testlog,benchlog}*.json
 
     heading "debug: gcc, ASan + UBSan, SP_DEBUG=1 -> suites unit, death, concurrency"
     if build_step debug build-debug DEBUG_ENV DEBUG_OPTS; then
@@ -240,6 +243,11 @@ cmd_test() {
     heading "valgrind: gcc, -Dvalgrind=true client requests -> suite valgrind"
     if build_step valgrind build-valgrind VALGRIND_ENV VALGRIND_OPTS; then
         test_step valgrind-tests build-valgrind testlog --suite valgrind
+    fi
+
+    heading "aarch64: cross-compile library, tests and demo (built, not run)"
+    if build_step aarch64 build-aarch64 AARCH64_ENV AARCH64_OPTS; then
+        record aarch64-cross-build 0
     fi
 
     heading "fuzz: clang-14 libFuzzer, ASan + UBSan -> suite fuzz"
