@@ -80,14 +80,21 @@ static void test_sleeper_woken(void) {
     sp_mutex_lock(&b.m);
     sp_thread t;
     bool started = sp_thread_start(&t, blocker_run, &b, "sp-block") == SP_OK;
-    struct timespec d = {0, 30 * 1000 * 1000};
-    nanosleep(&d, NULL);
+    /* Wait (up to 5 s) until the other thread has marked the mutex contended (state 2): only
+     * then is it committed to the futex sleep this test is about. */
+    uint32_t state = 0;
+    uint64_t deadline = sp_time_ns() + 5000000000u;
+    while (started && (state = __atomic_load_n(&b.m.state, __ATOMIC_ACQUIRE)) != 2 &&
+           sp_time_ns() < deadline) {
+        struct timespec d = {0, 1000 * 1000};
+        nanosleep(&d, NULL);
+    }
     bool early = __atomic_load_n(&b.acquired, __ATOMIC_ACQUIRE) != 0;
-    uint32_t state = __atomic_load_n(&b.m.state, __ATOMIC_RELAXED);
     sp_mutex_unlock(&b.m);
     if (started) sp_thread_join(t);
+    ok(state == 2, "a second locker marks the mutex contended (state %u)", state);
     ok(started && !early && __atomic_load_n(&b.acquired, __ATOMIC_ACQUIRE) == 1,
-       "a thread blocked in lock gets it after unlock (state while blocked: %u)", state);
+       "the thread blocked in lock gets it after unlock");
 }
 
 static void test_unlock_misuse(void) {
@@ -102,7 +109,7 @@ static void test_unlock_misuse(void) {
 }
 
 int main(void) {
-    plan(10);
+    plan(11);
     if (ts_sanitized()) diag("sanitized build: fewer iterations");
     test_sweep();         /* 4 */
     test_trylock();       /* 4 */
