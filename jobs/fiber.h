@@ -7,8 +7,10 @@
  * back to. Switching is cooperative: sp_fiber_switch(from, to) suspends `from`, the running
  * fiber, and resumes `to`. Context switch: a few instructions of assembly per architecture;
  * -Dfiber_backend=ucontext: glibc swapcontext, ~180-230 ns. Measured on the 2-vCPU x86-64 VMs:
- * 2-4 ns one way without the MXCSR save, but 35-60 ns with it once warmed up (stmxcsr inside
- * the switch; the first ~10^7 switches run at 3-6 ns). Unexplained yet: see the asm file.
+ * 2.8 ns one way with the FP control state kept per fiber, 4.2-4.7 ns when the two fibers' FP
+ * modes differ (2.0 ns with no FP state at all). An ldmxcsr that changes MXCSR's status flags
+ * costs 35-60 ns, so the switch restores only the control bits (the ABI's callee-saved part)
+ * and keeps the current flags: see the asm file, and bench/README.md (area `fiber`).
  *
  * Order: sp_fiber_pool_create, then acquire/switch/release any number of times, then
  * sp_fiber_pool_destroy once every fiber is released. Per thread: sp_fiber_thread_enter
@@ -35,8 +37,10 @@
  * keep TLS addresses in callee-saved registers across such calls (NOTES.md): read thread-locals
  * after a switch through a function that is not inlined into the switching one.
  *
- * Floating-point control state (x86-64 MXCSR and x87 control word, aarch64 FPCR) is per fiber:
- * a fresh fiber starts with the acquiring thread's, and a mode set on a fiber stays with it.
+ * Floating-point control state (x86-64 MXCSR control bits and x87 control word, aarch64 FPCR) is
+ * per fiber: a fresh fiber starts with the acquiring thread's, and a mode set on a fiber stays
+ * with it. x86-64 MXCSR status flags (sticky exception bits 0-5) are caller-saved in the ABI and
+ * not per fiber: a resumed fiber finds them as the thread left them.
  *
  * Sanitizers: switches are annotated for ThreadSanitizer and AddressSanitizer, and stacks are
  * registered with Valgrind when built with -Dvalgrind=true. Under TSan each pooled fiber keeps

@@ -128,8 +128,9 @@ static fp_mode fp_changed(fp_mode m) {
     m.x87cw |= 3u << 10;
     return m;
 }
+/* MXCSR control bits only: its status flags (0-5) are caller-saved, not per fiber (fiber.h). */
 static bool fp_equal(fp_mode a, fp_mode b) {
-    return a.mxcsr == b.mxcsr && a.x87cw == b.x87cw;
+    return ((a.mxcsr ^ b.mxcsr) & 0xffc0u) == 0 && a.x87cw == b.x87cw;
 }
 #elif defined(__aarch64__)
 #define HAVE_FP_MODE 1
