@@ -35,6 +35,7 @@ const char *sp_result_name(sp_result r) {
     case SP_ERR_LIMIT: return "SP_ERR_LIMIT";
     case SP_ERR_CORRUPT: return "SP_ERR_CORRUPT";
     case SP_ERR_SHUTDOWN: return "SP_ERR_SHUTDOWN";
+    case SP_ERR_STALLED: return "SP_ERR_STALLED";
     }
     return "SP_ERR_UNKNOWN";
 }

@@ -42,6 +42,7 @@ typedef enum sp_result {
     SP_ERR_LIMIT = -10,          /* a fixed table is full (pools, handles, ...) */
     SP_ERR_CORRUPT = -11,        /* internal: metadata check failed */
     SP_ERR_SHUTDOWN = -12,       /* the subsystem is shut down or not initialised */
+    SP_ERR_STALLED = -13,        /* a wait or deferred job that nothing can complete */
 } sp_result;
 
 /* A stable name for a result ("SP_ERR_DOUBLE_FREE"), never NULL. */

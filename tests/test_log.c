@@ -25,6 +25,7 @@ static void test_result_names(void) {
         {SP_ERR_LIMIT, "SP_ERR_LIMIT"},
         {SP_ERR_CORRUPT, "SP_ERR_CORRUPT"},
         {SP_ERR_SHUTDOWN, "SP_ERR_SHUTDOWN"},
+        {SP_ERR_STALLED, "SP_ERR_STALLED"},
     };
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
         const char *got = sp_result_name(all[i].id);

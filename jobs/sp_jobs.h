@@ -1,0 +1,203 @@
+/* spindle job scheduler: workers, fibers, work stealing, priorities, counters, pinned jobs and
+ * parallel-for.
+ *
+ * Jobs are small functions. A job that must wait for others parks its fiber on a counter and
+ * its worker runs something else; the fiber resumes, possibly on another worker, once the
+ * counter reaches the target. Each worker keeps a work-stealing deque per priority, a queue of
+ * jobs pinned to it, and a cache of job records; threads that are not workers submit through
+ * wait-free injection queues (liburcu wfcqueue).
+ *
+ * Threads. sp_jobs_create starts `workers` background threads (default: one per core). The
+ * thread that called sp_jobs_create is the scheduler's main thread, worker 0: it runs jobs
+ * only while it waits (sp_counter_wait, sp_parallel_for, sp_jobs_shutdown), and jobs pinned to
+ * worker 0 run there. Background workers are 1..workers. With workers = 0 no thread is started
+ * and every job runs on the main thread, in its waits, in a deterministic order (a debugging
+ * mode). Other threads may submit, signal and wait (blocking, without running jobs).
+ *
+ * Order: sp_jobs_create; any number of submits and waits; sp_jobs_shutdown (runs every pending
+ * job to completion, joins the threads; later submits get SP_ERR_SHUTDOWN); sp_jobs_destroy.
+ * A thread belongs to at most one scheduler at a time.
+ *
+ * Counters count down. Submitting a batch of n jobs with a counter adds n to it and each job
+ * subtracts 1 when it returns; sp_counter_sub signals by hand. A wait for `target` completes
+ * once the value is <= target (usually 0). Counters can be reused for batch after batch.
+ *
+ * Concurrency:
+ *   sp_jobs_submit, sp_jobs_submit_after, sp_parallel_for,
+ *   sp_counter_add, sp_counter_sub, sp_counter_value, sp_counter_wait,
+ *   sp_jobs_worker_id, sp_jobs_status            any thread, any time between create and
+ *                                                 shutdown (submits after it: SP_ERR_SHUTDOWN)
+ *   sp_counter_create / sp_counter_destroy        any thread; destroy only once nothing waits on
+ *                                                 the counter and no job holds it
+ *   sp_jobs_create, sp_jobs_shutdown,             the main thread, outside jobs
+ *   sp_jobs_destroy
+ *
+ * Migration rule (a job may resume on another worker after any call that "may suspend"): a job
+ * may keep in registers and locals anything that is its own (arguments, pointers to its data,
+ * the scheduler, counters), but not the address of a thread-local variable, errno, a cached
+ * worker id, or a thread-cache pointer taken before the suspending call: read them again
+ * after it (sp_jobs_worker_id is safe to call again; it is never hoisted across a suspension).
+ * Compilers keep TLS addresses in callee-saved registers across calls, so this applies to
+ * plain `_Thread_local` accesses in the job's own function.
+ */
+#ifndef SP_JOBS_H
+#define SP_JOBS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "sp_log.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct sp_jobs sp_jobs;
+typedef struct sp_counter sp_counter;
+
+/* Returned by sp_jobs_worker_id on a thread that is not one of the scheduler's. */
+#define SP_JOBS_NOT_A_WORKER UINT32_MAX
+
+typedef enum sp_job_priority {
+    SP_PRIORITY_NORMAL = 0, /* the default (zero) */
+    SP_PRIORITY_HIGH = 1,   /* taken before any normal or low job, local or stolen */
+    SP_PRIORITY_LOW = 2,    /* taken only when no high or normal job is to be found */
+} sp_job_priority;
+
+typedef void (*sp_job_fn)(void *arg);
+
+typedef struct sp_job_desc {
+    sp_job_fn fn;             /* required */
+    void *arg;                /* passed to fn */
+    const char *name;         /* optional, for hooks and messages; must outlive the job */
+    sp_job_priority priority; /* 0 = normal */
+    bool pinned;              /* run only on `worker` (0 = the main thread, 1..workers) */
+    uint32_t worker;
+} sp_job_desc;
+
+/* Profiling hooks: each may be NULL; each is called on the thread concerned, with the worker
+ * id, and must not submit, wait or block. `name` may be NULL. */
+typedef struct sp_jobs_hooks {
+    void *user;
+    void (*job_begin)(void *user, uint32_t worker, const char *name);  /* first run */
+    void (*job_end)(void *user, uint32_t worker, const char *name);    /* fn returned */
+    void (*job_park)(void *user, uint32_t worker, const char *name);   /* waits, fiber parked */
+    void (*job_resume)(void *user, uint32_t worker, const char *name); /* parked job runs again */
+    void (*worker_sleep)(void *user, uint32_t worker);                 /* idle: futex sleep */
+    void (*worker_wake)(void *user, uint32_t worker);
+    void (*fiber_switch)(void *user, uint32_t worker); /* any scheduler fiber switch */
+} sp_jobs_hooks;
+
+/* Zero means the default for every field. */
+typedef struct sp_jobs_desc {
+    uint32_t workers;      /* background worker threads; 0 = default (CPU count), see no_workers */
+    bool no_workers;       /* true: start no thread; every job runs on the main thread in its
+                              waits (deterministic order) */
+    uint32_t fibers;       /* fiber pool size (default 128): bounds the jobs parked at once */
+    size_t fiber_stack;    /* bytes per fiber stack (default 256 KiB; committed as touched) */
+    uint32_t max_jobs;     /* job records: jobs submitted and not yet finished (default 65536) */
+    uint32_t deque_size;   /* per worker and priority, a power of two (default 4096); more
+                              spill into the injection queue */
+    uint32_t spin_ns;      /* idle spin before a futex sleep (default 50000) */
+    uint32_t watchdog_ms;  /* debug builds: report a wait that nothing can complete after this
+                              long without progress (default 2000; UINT32_MAX disables) */
+    sp_jobs_hooks hooks;
+} sp_jobs_desc;
+
+typedef struct sp_jobs_status {
+    uint32_t workers;         /* background threads (not counting the main thread) */
+    uint64_t jobs_submitted;  /* since create */
+    uint64_t jobs_run;        /* finished */
+    uint64_t jobs_stolen;
+    uint64_t parks;           /* waits that parked a fiber */
+    uint32_t fibers_in_use;   /* acquired from the pool (running, parked or cached by a worker) */
+    uint32_t fibers_total;
+    uint32_t fiber_exhaustions; /* waits that found no free fiber and ran jobs on their stack */
+    uint64_t sleeps;          /* futex sleeps of idle workers */
+} sp_jobs_status;
+
+/* Create a scheduler; the calling thread becomes its main thread (worker 0). Main thread only.
+ * Cost: thread starts, fiber pool reservation, job records. Returns SP_OK with *out set;
+ * SP_ERR_INVALID_ARG (NULL out, a bad field: deque_size not a power of two, a huge count),
+ * SP_ERR_LIMIT (the thread already belongs to a scheduler), SP_ERR_NOMEM, SP_ERR_OS (a thread
+ * or the fiber pool could not be made; whatever started is stopped again). */
+sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc);
+
+/* Run every pending job to completion (waiting, helping as the main thread), stop and join
+ * the workers. Afterwards submits return SP_ERR_SHUTDOWN. Jobs that can never run (a batch
+ * deferred on, or a fiber parked on, a counter nothing will reach once all else is done) are
+ * reported with SP_ERR_STALLED and abandoned. Main thread only, outside jobs. A second call
+ * does nothing and returns SP_ERR_SHUTDOWN. */
+sp_result sp_jobs_shutdown(sp_jobs *s);
+
+/* Shut down if not done, then free everything; NULL is ignored. Main thread only. */
+void sp_jobs_destroy(sp_jobs *s);
+
+/* Submit `count` jobs. If `counter` is not NULL it is raised by count now and lowered by one
+ * as each job returns. All-or-nothing: on error no job was submitted and the counter is
+ * unchanged. Any thread, jobs included; never suspends. Cost (from a worker): a record from
+ * the worker's cache and a deque push per job, one fence and at most `count` futex wakes for
+ * sleeping workers; from other threads a wfcqueue enqueue per job. Errors: SP_ERR_SHUTDOWN
+ * (after shutdown began, from a thread that is not running a job), SP_ERR_LIMIT (out of job
+ * records, logged), SP_ERR_INVALID_ARG (misuse: NULL s, jobs with count > 0, NULL fn, a pinned
+ * worker out of range). count 0 is SP_OK and does nothing. */
+sp_result sp_jobs_submit(sp_jobs *s, const sp_job_desc *jobs, uint32_t count, sp_counter *counter);
+
+/* As sp_jobs_submit, but the jobs start only once `after` reaches `after_target` (at once if
+ * it already has). `counter` is raised now. Graphs built this way cannot deadlock through
+ * their edges: a batch can only wait on a counter that already exists. */
+sp_result sp_jobs_submit_after(sp_jobs *s, sp_counter *after, int64_t after_target,
+                               const sp_job_desc *jobs, uint32_t count, sp_counter *counter);
+
+/* Call fn(arg, b, e) over disjoint subranges covering [begin, end), in parallel, and return
+ * when all are done. Splitting is adaptive (lazy binary splitting): a piece splits off half of
+ * its remaining range only while no split-off work is waiting to be stolen, never below
+ * `grain` elements (0 = automatic). May suspend the caller (see sp_counter_wait); nests inside
+ * jobs and inside other parallel_for calls. Errors as sp_jobs_submit; with SP_ERR_LIMIT the
+ * part not yet split off runs on the caller. */
+typedef void (*sp_range_fn)(void *arg, uint64_t begin, uint64_t end);
+sp_result sp_parallel_for(sp_jobs *s, uint64_t begin, uint64_t end, uint64_t grain,
+                          sp_range_fn fn, void *arg);
+
+/* The calling thread's worker id: 0 for the main thread, 1..workers for background workers,
+ * SP_JOBS_NOT_A_WORKER elsewhere. Inside a job: the worker running it now (it changes across
+ * suspensions; call again after them). Cost: a non-inlined thread-local read. */
+uint32_t sp_jobs_worker_id(void);
+
+/* Figures since create. Any thread; each field is read atomically, the set is not a snapshot. */
+void sp_jobs_status_get(sp_jobs *s, sp_jobs_status *out);
+
+/* A counter at 0, named for messages (the name must outlive the counter; NULL allowed).
+ * Any thread. Returns NULL when out of memory or after shutdown. */
+sp_counter *sp_counter_create(sp_jobs *s, const char *name);
+
+/* Free a counter. Misuse, reported and ignored (counter kept): jobs or waits still using it.
+ * NULL is ignored. */
+void sp_counter_destroy(sp_counter *c);
+
+/* Raise by n (work the caller will signal later). Any thread, never suspends. */
+void sp_counter_add(sp_counter *c, int64_t n);
+
+/* Lower by n and resume the waits and start the deferred batches this satisfies. Any thread,
+ * never suspends. Cost: one atomic; a lock when something waits at the new value. */
+void sp_counter_sub(sp_counter *c, int64_t n);
+
+/* The current value (a snapshot). Any thread. */
+int64_t sp_counter_value(const sp_counter *c);
+
+/* Return once the counter's value is <= target. Inside a job: parks the job's fiber and the
+ * worker runs other jobs; the job may continue on another worker (see the migration rule).
+ * If every fiber is in use the wait instead runs other jobs on the waiting job's own stack
+ * until the counter is reached (logged once per scheduler, counted in fiber_exhaustions).
+ * On the main thread outside jobs: runs jobs until the counter is reached, then sleeps on a
+ * futex. On other threads: sleeps on a futex. Returns SP_OK, or SP_ERR_INVALID_ARG (NULL).
+ * Debug builds: a wait that nothing can complete (no job running or runnable, no progress for
+ * watchdog_ms) is reported with SP_ERR_STALLED naming the counter; the wait goes on. */
+sp_result sp_counter_wait(sp_counter *c, int64_t target);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
