@@ -158,7 +158,7 @@ static void test_restore_stderr(void) {
 }
 
 int main(void) {
-    plan(36);
+    plan(37);
     test_result_names();    /* 14 */
     test_capture();         /* 8 */
     test_misuse_nonfatal(); /* 3 */
