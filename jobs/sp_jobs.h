@@ -91,30 +91,30 @@ typedef struct sp_jobs_hooks {
 
 /* Zero means the default for every field. */
 typedef struct sp_jobs_desc {
-    uint32_t workers;      /* background worker threads; 0 = default (CPU count), see no_workers */
-    bool no_workers;       /* true: start no thread; every job runs on the main thread in its
-                              waits (deterministic order) */
-    uint32_t fibers;       /* fiber pool size (default 128): bounds the jobs parked at once */
-    size_t fiber_stack;    /* bytes per fiber stack (default 256 KiB; committed as touched) */
-    uint32_t max_jobs;     /* job records: jobs submitted and not yet finished (default 65536) */
-    uint32_t deque_size;   /* per worker and priority, a power of two (default 4096); more
-                              spill into the injection queue */
-    uint32_t spin_ns;      /* idle spin before a futex sleep (default 50000) */
-    uint32_t watchdog_ms;  /* debug builds: report a wait that nothing can complete after this
-                              long without progress (default 2000; UINT32_MAX disables) */
+    uint32_t workers;     /* background worker threads; 0 = default (CPU count), see no_workers */
+    bool no_workers;      /* true: start no thread; every job runs on the main thread in its
+                             waits (deterministic order) */
+    uint32_t fibers;      /* fiber pool size (default 128): bounds the jobs parked at once */
+    size_t fiber_stack;   /* bytes per fiber stack (default 256 KiB; committed as touched) */
+    uint32_t max_jobs;    /* job records: jobs submitted and not yet finished (default 65536) */
+    uint32_t deque_size;  /* per worker and priority, a power of two (default 4096); more
+                             spill into the injection queue */
+    uint32_t spin_ns;     /* idle spin before a futex sleep (default 50000) */
+    uint32_t watchdog_ms; /* debug builds: report a wait that nothing can complete after this
+                             long without progress (default 2000; UINT32_MAX disables) */
     sp_jobs_hooks hooks;
 } sp_jobs_desc;
 
 typedef struct sp_jobs_status {
-    uint32_t workers;         /* background threads (not counting the main thread) */
-    uint64_t jobs_submitted;  /* since create */
-    uint64_t jobs_run;        /* finished */
+    uint32_t workers;        /* background threads (not counting the main thread) */
+    uint64_t jobs_submitted; /* since create */
+    uint64_t jobs_run;       /* finished */
     uint64_t jobs_stolen;
-    uint64_t parks;           /* waits that parked a fiber */
-    uint32_t fibers_in_use;   /* acquired from the pool (running, parked or cached by a worker) */
+    uint64_t parks;         /* waits that parked a fiber */
+    uint32_t fibers_in_use; /* acquired from the pool (running, parked or cached by a worker) */
     uint32_t fibers_total;
     uint32_t fiber_exhaustions; /* waits that found no free fiber and ran jobs on their stack */
-    uint64_t sleeps;          /* futex sleeps of idle workers */
+    uint64_t sleeps;            /* futex sleeps of idle workers */
 } sp_jobs_status;
 
 /* Create a scheduler; the calling thread becomes its main thread (worker 0). Main thread only.
@@ -157,8 +157,8 @@ sp_result sp_jobs_submit_after(sp_jobs *s, sp_counter *after, int64_t after_targ
  * jobs and inside other parallel_for calls. Errors as sp_jobs_submit; with SP_ERR_LIMIT the
  * part not yet split off runs on the caller. */
 typedef void (*sp_range_fn)(void *arg, uint64_t begin, uint64_t end);
-sp_result sp_parallel_for(sp_jobs *s, uint64_t begin, uint64_t end, uint64_t grain,
-                          sp_range_fn fn, void *arg);
+sp_result sp_parallel_for(sp_jobs *s, uint64_t begin, uint64_t end, uint64_t grain, sp_range_fn fn,
+                          void *arg);
 
 /* The calling thread's worker id: 0 for the main thread, 1..workers for background workers,
  * SP_JOBS_NOT_A_WORKER elsewhere. Inside a job: the worker running it now (it changes across
