@@ -597,7 +597,8 @@ static void run_idle(bench_state *st, const void *varg) {
         uint64_t c0 = process_cpu_ns(), t0 = sp_time_ns();
         struct timespec d = {(time_t)(cfg.idle_ns / 1000000000u),
                              (long)(cfg.idle_ns % 1000000000u)};
-        while (nanosleep(&d, &d) != 0) {}
+        while (nanosleep(&d, &d) != 0) {
+        }
         cpu += process_cpu_ns() - c0;
         wall += sp_time_ns() - t0;
     }
@@ -672,8 +673,8 @@ int main(int argc, char **argv) {
     for (int c = 0; c < NCASES; c++)
         for (int w = 0; w < (cases[c].mutexpool ? 2 : 1); w++) {
             args[c][w] = (bench_arg){(who)w, cases[c].pinned};
-            snprintf(names[c][w], sizeof names[c][w], "jobs/%s/%s%s", cases[c].name,
-                     who_name[w], suffix);
+            snprintf(names[c][w], sizeof names[c][w], "jobs/%s/%s%s", cases[c].name, who_name[w],
+                     suffix);
             bench_register(names[c][w], cases[c].fn, &args[c][w], 1);
         }
     return bench_main(argc, argv);
