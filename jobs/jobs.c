@@ -38,15 +38,6 @@
 #ifndef __has_feature
 #define __has_feature(x) 0
 #endif
-#if defined(__SANITIZE_THREAD__) || __has_feature(thread_sanitizer)
-#include <sanitizer/tsan_interface.h>
-/* liburcu 0.13 is not instrumented: tell TSan that an enqueue publishes the job record. */
-#define TSAN_RELEASE(p) __tsan_release(p)
-#define TSAN_ACQUIRE(p) __tsan_acquire(p)
-#else
-#define TSAN_RELEASE(p) ((void)(p))
-#define TSAN_ACQUIRE(p) ((void)(p))
-#endif
 
 enum { RANK_HIGH = 0, RANK_NORMAL = 1, RANK_LOW = 2, RANKS = 3 };
 enum { MAX_WORKERS = 64 };   /* main thread + 63: the idle set is one 64-bit mask */
@@ -75,22 +66,48 @@ typedef struct waiter {
     worker *wake;           /* FLAG: worker to wake through its sleep word; NULL: futex on flag */
 } waiter;
 
+/* What a record runs. A batch of jobs that share a priority and are not pinned is submitted
+ * as one piece over a copy of their descs; pieces split lazily as workers go hungry (the same
+ * lazy binary splitting as parallel_for), so a batch of N costs a few records and steals, not
+ * N. Pinned or mixed-priority batches get a record per job. */
+enum job_kind {
+    JOB_SINGLE, /* fn(arg) */
+    JOB_BATCH,  /* jobs [begin, end) of `batch` */
+    JOB_PFOR,   /* pf->fn over [begin, end) */
+    JOB_THREAD, /* a worker thread's own stack (worker.thread_job) */
+};
+
+typedef struct batch_job {
+    sp_job_fn fn;
+    void *arg;
+    const char *name;
+} batch_job;
+
+typedef struct batch {
+    _Atomic uint32_t pieces; /* live pieces; the piece that drops it to 0 frees the batch */
+    batch_job jobs[];
+} batch;
+
 /* A job record. Owned by the submitter until pushed, by the queue while queued, by the worker
  * running it until it returns; while parked, by the counter's wait list. */
 struct job {
     struct cds_wfcq_node qnode; /* injection and pinned queues */
-    job *next;                  /* record free lists; a deferred batch's chain */
-    sp_job_fn fn;               /* NULL for a parallel_for piece and for thread jobs */
+    _Atomic uint32_t queued;    /* release-stored before a wfcqueue push, acquire-loaded after
+                                   the pop: liburcu 0.13's own ordering is invisible to TSan */
+    job *next;                  /* record free lists; a deferred chain of single jobs */
+    sp_job_fn fn;               /* JOB_SINGLE */
     void *arg;
     const char *name;
-    sp_counter *counter; /* lowered by one when the job returns; may be NULL */
+    sp_counter *counter; /* JOB_SINGLE, JOB_BATCH: lowered per job run; JOB_PFOR: per piece */
     sp_fiber *fiber;     /* parked: the fiber to resume; NULL: not started yet */
-    pfor *pf;            /* parallel_for piece: [begin, end) of pf */
-    uint64_t begin, end;
+    batch *batch;        /* JOB_BATCH */
+    pfor *pf;            /* JOB_PFOR */
+    uint64_t begin, end; /* pieces: what is left to run (begin moves before each step) */
+    uint64_t completed;  /* JOB_BATCH: jobs run, not yet taken off the counter */
     uint32_t resume_pin; /* worker it must run on, or NO_PIN */
     uint8_t rank;
-    bool started;
-    waiter defer; /* first record of a deferred batch: its wait-list node */
+    uint8_t kind;
+    waiter defer; /* first record of a deferred submit: its wait-list node */
 };
 
 struct sp_counter {
@@ -136,16 +153,15 @@ struct worker {
     alignas(64) mpsc pinned[RANKS];
     alignas(64) _Atomic uint32_t sleep; /* 1: asleep or about to be; stored 0 to wake */
     _Atomic uint32_t busy;              /* 0 while idle (watchdog) */
-    /* Statistics: written by the owner only (release stores), read by anyone. */
-    _Atomic uint64_t submitted, done, stolen, parks, sleeps, exhaustions;
+    /* Statistics: written by the owner only (release stores), read by anyone. `taken` and
+     * `returned` count job records (shutdown's drain); `submitted` and `done` count jobs. */
+    _Atomic uint64_t taken, returned, submitted, done, stolen, parks, sleeps, exhaustions;
 };
 
 struct pfor {
-    sp_jobs *s;
     sp_range_fn fn;
     void *arg;
     uint64_t grain;
-    sp_counter *counter;
 };
 
 struct sp_jobs {
@@ -154,11 +170,11 @@ struct sp_jobs {
     worker *workers;   /* [0, nworkers] */
     sp_fiber_pool *pool;
     mpsc inject[RANKS];
-    _Atomic uint64_t idle_mask;     /* bit i: worker i is asleep or about to sleep */
-    _Atomic uint32_t spinning;      /* workers spinning for work */
-    _Atomic uint32_t closing;       /* shutdown began: outside submits are refused */
-    _Atomic uint32_t stopped;       /* shutdown finished */
-    _Atomic uint64_t ext_submitted; /* jobs submitted from outside jobs */
+    _Atomic uint64_t idle_mask;                /* bit i: worker i is asleep or about to sleep */
+    _Atomic uint32_t spinning;                 /* workers spinning for work */
+    _Atomic uint32_t closing;                  /* shutdown began: outside submits are refused */
+    _Atomic uint32_t stopped;                  /* shutdown finished */
+    _Atomic uint64_t ext_taken, ext_submitted; /* records and jobs of non-worker threads */
     _Atomic int64_t parked, deferred;
     _Atomic uint32_t exhaustion_logged;
     sp_counter *drain; /* the main thread waits on it during shutdown */
@@ -197,10 +213,11 @@ uint32_t sp_jobs_worker_id(void) {
     return w ? w->id : SP_JOBS_NOT_A_WORKER;
 }
 
-static void stat_inc(_Atomic uint64_t *x) { /* owner-only counter */
-    atomic_store_explicit(x, atomic_load_explicit(x, memory_order_relaxed) + 1,
+static void stat_add(_Atomic uint64_t *x, uint64_t n) { /* owner-only counter */
+    atomic_store_explicit(x, atomic_load_explicit(x, memory_order_relaxed) + n,
                           memory_order_release);
 }
+#define stat_inc(x) stat_add((x), 1)
 
 /* ---- queues ---------------------------------------------------------------------------- */
 
@@ -209,7 +226,7 @@ static void mpsc_init(mpsc *q) {
 }
 
 static void mpsc_push(mpsc *q, job *j) {
-    TSAN_RELEASE(j);
+    atomic_store_explicit(&j->queued, 1, memory_order_release);
     cds_wfcq_node_init(&j->qnode);
     cds_wfcq_enqueue(&q->head, &q->tail, &j->qnode);
     atomic_fetch_add(&q->size, 1);
@@ -223,7 +240,7 @@ static job *mpsc_pop(mpsc *q) {
     if (!n || n == CDS_WFCQ_WOULDBLOCK) return NULL;
     atomic_fetch_sub(&q->size, 1);
     job *j = (job *)((char *)n - offsetof(job, qnode));
-    TSAN_ACQUIRE(j);
+    (void)atomic_load_explicit(&j->queued, memory_order_acquire);
     return j;
 }
 
@@ -338,13 +355,15 @@ static void records_refill(sp_jobs *s, worker *w, uint32_t n) {
 }
 
 /* A chain of n records linked by next, or NULL when there are not that many free (the ones
- * found stay cached). w NULL: a thread that is not a worker takes them from the pool. */
+ * found stay cached). w NULL: a thread that is not a worker takes them from the pool, and
+ * counts them in ext_taken itself (before it looks at `closing`, see submit). */
 static job *records_take(sp_jobs *s, worker *w, uint32_t n) {
     job *chain = NULL;
     if (w) {
         if (w->free_count < n) records_refill(s, w, n - w->free_count + RECORD_BATCH);
         if (w->free_count < n) return NULL;
         w->free_count -= n;
+        stat_add(&w->taken, n);
         while (n--) {
             job *j = w->free_jobs;
             w->free_jobs = j->next;
@@ -368,6 +387,7 @@ static job *records_take(sp_jobs *s, worker *w, uint32_t n) {
 }
 
 static void record_put(sp_jobs *s, worker *w, job *j) {
+    stat_inc(&w->returned);
     j->next = w->free_jobs;
     w->free_jobs = j;
     if (++w->free_count < 2 * RECORD_BATCH) return;
@@ -528,6 +548,7 @@ static void counter_lower(sp_counter *c, int64_t n) {
 
 static void loop_main(sp_fiber *self, void *arg);
 static void drain_check(sp_jobs *s);
+static bool piece_spawn(sp_jobs *s, worker *w, const job *j, uint64_t begin, uint64_t end);
 
 static void after_switch(void) {
     worker *w = current_worker();
@@ -577,6 +598,14 @@ static void job_resume(worker *w, sp_fiber *self, job *j) {
  * if the counter is already reached. On true, returns once resumed (maybe elsewhere). */
 static bool job_park(sp_jobs *s, worker *w, job *me, sp_counter *c, int64_t target, sp_fiber *next,
                      job *next_job) {
+    if (me->kind == JOB_BATCH || me->kind == JOB_PFOR) {
+        /* The rest of a piece must not wait with it: it may be what the wait waits for. */
+        if (me->begin < me->end && piece_spawn(s, w, me, me->begin, me->end)) me->end = me->begin;
+        if (me->completed) {
+            counter_lower(me->counter, (int64_t)me->completed);
+            me->completed = 0;
+        }
+    }
     waiter node = {.target = target, .kind = WAIT_FIBER, .job = me};
     sp_mutex_lock(&c->lock);
     if (!waiter_add_locked(c, &node)) {
@@ -585,7 +614,7 @@ static bool job_park(sp_jobs *s, worker *w, job *me, sp_counter *c, int64_t targ
     }
     me->fiber = w->current_fiber;
     /* A thread's own stack must come back to its own thread. */
-    if (w->current_fiber == w->thread_fiber) me->resume_pin = w->id;
+    if (w->current_fiber == w->thread_fiber && me->resume_pin != w->id) me->resume_pin = w->id;
     atomic_fetch_add(&s->parked, 1);
     stat_inc(&w->parks);
     const sp_jobs_hooks *h = &s->desc.hooks;
@@ -607,8 +636,6 @@ static bool job_park(sp_jobs *s, worker *w, job *me, sp_counter *c, int64_t targ
 }
 
 /* ---- running jobs ---------------------------------------------------------------------- */
-
-static void pfor_run(pfor *pf, uint64_t begin, uint64_t end);
 
 /* Steal a job of rank r from another worker, starting at a random one. */
 static job *steal(sp_jobs *s, worker *w, int r) {
@@ -643,25 +670,87 @@ static job *find_work(sp_jobs *s, worker *w) {
     return NULL;
 }
 
+/* Split [begin, end) off piece j as a new piece and queue it. False when out of records. */
+static bool piece_spawn(sp_jobs *s, worker *w, const job *j, uint64_t begin, uint64_t end) {
+    job *k = records_take(s, w, 1);
+    if (SP_UNLIKELY(!k)) return false;
+    *k = (job){.name = j->name,
+               .counter = j->counter,
+               .batch = j->batch,
+               .pf = j->pf,
+               .begin = begin,
+               .end = end,
+               .resume_pin = NO_PIN,
+               .rank = j->rank,
+               .kind = j->kind};
+    if (j->kind == JOB_BATCH) {
+        atomic_fetch_add_explicit(&j->batch->pieces, 1, memory_order_relaxed);
+    } else {
+        atomic_fetch_add(&j->counter->value, 1); /* a parallel_for counts pieces */
+    }
+    chain_push(s, w, k, 1);
+    return true;
+}
+
+/* Run what is left of piece j. Lazy binary splitting: before each step, if nothing split off
+ * by this worker is still waiting in its deque (thieves took it, or there was none), split off
+ * the upper half. A step is one job of a batch, or `grain` indices of a parallel_for. */
+static void piece_run(sp_jobs *s, job *j) {
+    const sp_jobs_hooks *h = &s->desc.hooks;
+    const uint64_t grain = j->kind == JOB_BATCH ? 1 : j->pf->grain;
+    while (j->begin < j->end) {
+        worker *w = current_worker(); /* a step may wait and move us: read it every time */
+        uint64_t b = j->begin, left = j->end - b;
+        if (left > grain && !deque_nonempty(w->deque[j->rank]) &&
+            piece_spawn(s, w, j, b + left / 2, j->end)) {
+            j->end = b + left / 2;
+            continue;
+        }
+        if (j->kind == JOB_BATCH) {
+            const batch_job *bj = &j->batch->jobs[b];
+            j->begin = b + 1;
+            if (h->job_begin) h->job_begin(h->user, w->id, bj->name);
+            bj->fn(bj->arg);
+            w = current_worker();
+            if (h->job_end) h->job_end(h->user, w->id, bj->name);
+            j->completed++;
+            stat_inc(&w->done);
+        } else {
+            uint64_t e = left > grain ? b + grain : j->end;
+            j->begin = e;
+            j->pf->fn(j->pf->arg, b, e);
+        }
+    }
+}
+
 /* Run a job that has not started, on the calling fiber. Returns on the worker the job ended
- * on (it may have waited and moved). */
+ * on (it may have waited and moved). The counter is lowered last: a waiter woken by it may
+ * read the status at once. */
 static void job_run(sp_jobs *s, worker *w, job *j) {
     const sp_jobs_hooks *h = &s->desc.hooks;
     w->current_job = j;
-    atomic_store_explicit(&w->busy, 1, memory_order_relaxed);
-    if (h->job_begin) h->job_begin(h->user, w->id, j->name);
-    if (j->pf) {
-        pfor_run(j->pf, j->begin, j->end);
-    } else {
+    int64_t n = 1;
+    if (j->kind == JOB_SINGLE) {
+        if (h->job_begin) h->job_begin(h->user, w->id, j->name);
         j->fn(j->arg);
+        w = current_worker();
+        if (h->job_end) h->job_end(h->user, w->id, j->name);
+        stat_inc(&w->done);
+    } else {
+        if (j->kind == JOB_PFOR && h->job_begin) h->job_begin(h->user, w->id, j->name);
+        piece_run(s, j);
+        w = current_worker();
+        if (j->kind == JOB_PFOR && h->job_end) h->job_end(h->user, w->id, j->name);
+        if (j->kind == JOB_BATCH) {
+            n = (int64_t)j->completed;
+            if (atomic_fetch_sub_explicit(&j->batch->pieces, 1, memory_order_acq_rel) == 1)
+                free(j->batch);
+        }
     }
-    w = current_worker();
-    if (h->job_end) h->job_end(h->user, w->id, j->name);
     w->current_job = NULL;
     sp_counter *c = j->counter;
     record_put(s, w, j);
-    stat_inc(&w->done); /* before the counter: a waiter may read the status at once */
-    if (c) counter_lower(c, 1);
+    if (c && n) counter_lower(c, n);
 }
 
 /* Every scheduler fiber runs this loop (see the top of the file). */
@@ -858,6 +947,7 @@ static sp_result submit(sp_jobs *s, sp_counter *after, int64_t after_target, con
                         uint32_t n, sp_counter *counter, const char *call) {
     if (SP_UNLIKELY(!s || (n && !d)))
         return sp_misuse(SP_ERR_INVALID_ARG, call, s, "NULL %s", s ? "jobs" : "scheduler");
+    bool as_batch = n >= 2;
     for (uint32_t i = 0; i < n; i++) {
         if (SP_UNLIKELY(!d[i].fn || (unsigned)d[i].priority > SP_PRIORITY_LOW ||
                         (d[i].pinned && d[i].worker > s->nworkers)))
@@ -867,54 +957,78 @@ static sp_result submit(sp_jobs *s, sp_counter *after, int64_t after_target, con
                              : d[i].pinned && d[i].worker > s->nworkers
                                  ? "pinned to a worker that does not exist"
                                  : "bad priority");
+        if (d[i].pinned || d[i].priority != d[0].priority) as_batch = false;
     }
     if (n == 0) return SP_OK;
     worker *w = current_worker();
     if (w && w->s != s) w = NULL;
-    /* Jobs may submit while shutdown drains (they are pending work); others may not. The
-     * count comes first: shutdown sets closing and then reads the counts (seq_cst both). */
-    bool outside = !w || !w->current_job;
-    if (outside) {
-        atomic_fetch_add(&s->ext_submitted, n);
-        if (SP_UNLIKELY(atomic_load(&s->closing))) {
-            atomic_fetch_sub(&s->ext_submitted, n);
-            return SP_ERR_SHUTDOWN;
-        }
+    const uint32_t records = as_batch ? 1 : n;
+    /* Jobs may submit while shutdown drains (they are pending work); others may not. A thread
+     * that is not a worker counts its records before it reads `closing`; shutdown sets
+     * `closing` before it reads the counts (seq_cst both): one of them sees the other. */
+    if (!w) atomic_fetch_add(&s->ext_taken, records);
+    if (SP_UNLIKELY((!w || !w->current_job) && atomic_load(&s->closing))) {
+        if (!w) atomic_fetch_sub(&s->ext_taken, records);
+        return SP_ERR_SHUTDOWN;
     }
-    job *chain = records_take(s, w, n);
+    batch *b = NULL;
+    if (as_batch) {
+        b = malloc(sizeof(batch) + (size_t)n * sizeof(batch_job));
+        if (SP_UNLIKELY(!b)) {
+            if (!w) atomic_fetch_sub(&s->ext_taken, records);
+            sp_log(SP_LOG_WARN, SP_ERR_NOMEM, call, s, "no memory for a batch of %u jobs", n);
+            return SP_ERR_NOMEM;
+        }
+        atomic_init(&b->pieces, 1);
+        for (uint32_t i = 0; i < n; i++) b->jobs[i] = (batch_job){d[i].fn, d[i].arg, d[i].name};
+    }
+    job *chain = records_take(s, w, records);
     if (SP_UNLIKELY(!chain)) {
-        if (outside) atomic_fetch_sub(&s->ext_submitted, n);
+        if (!w) atomic_fetch_sub(&s->ext_taken, records);
+        free(b);
         sp_log(SP_LOG_WARN, SP_ERR_LIMIT, call, s,
                "out of job records (max_jobs %u): %u jobs not submitted", s->desc.max_jobs, n);
         return SP_ERR_LIMIT;
     }
-    if (!outside)
-        atomic_store_explicit(&w->submitted,
-                              atomic_load_explicit(&w->submitted, memory_order_relaxed) + n,
-                              memory_order_release);
-    uint32_t i = 0;
-    for (job *j = chain; j; j = j->next, i++) {
-        j->fn = d[i].fn;
-        j->arg = d[i].arg;
-        j->name = d[i].name;
-        j->counter = counter;
-        j->fiber = NULL;
-        j->pf = NULL;
-        j->rank = priority_rank[d[i].priority];
-        j->resume_pin = d[i].pinned ? d[i].worker : NO_PIN;
+    if (w) {
+        stat_add(&w->submitted, n);
+    } else {
+        atomic_fetch_add(&s->ext_submitted, n);
+    }
+    if (as_batch) {
+        *chain = (job){.name = d[0].name,
+                       .counter = counter,
+                       .batch = b,
+                       .end = n,
+                       .resume_pin = NO_PIN,
+                       .rank = priority_rank[d[0].priority],
+                       .kind = JOB_BATCH};
+    } else {
+        uint32_t i = 0;
+        for (job *j = chain; j; j = j->next, i++) {
+            j->fn = d[i].fn;
+            j->arg = d[i].arg;
+            j->name = d[i].name;
+            j->counter = counter;
+            j->fiber = NULL;
+            j->rank = priority_rank[d[i].priority];
+            j->resume_pin = d[i].pinned ? d[i].worker : NO_PIN;
+            j->kind = JOB_SINGLE;
+        }
     }
     if (counter) atomic_fetch_add(&counter->value, n);
     if (after) {
         waiter *node = &chain->defer;
-        *node = (waiter){.target = after_target, .kind = WAIT_BATCH, .count = n, .job = chain};
-        atomic_fetch_add(&s->deferred, n);
+        *node =
+            (waiter){.target = after_target, .kind = WAIT_BATCH, .count = records, .job = chain};
+        atomic_fetch_add(&s->deferred, records);
         sp_mutex_lock(&after->lock);
         bool added = waiter_add_locked(after, node);
         sp_mutex_unlock(&after->lock);
         if (added) return SP_OK;
-        atomic_fetch_sub(&s->deferred, n);
+        atomic_fetch_sub(&s->deferred, records);
     }
-    chain_push(s, w, chain, n);
+    chain_push(s, w, chain, records);
     return SP_OK;
 }
 
@@ -931,79 +1045,51 @@ sp_result sp_jobs_submit_after(sp_jobs *s, sp_counter *after, int64_t after_targ
 
 /* ---- parallel_for ---------------------------------------------------------------------- */
 
-/* Split off [begin, end) as a job of pf. False when out of records. */
-static bool pfor_spawn(pfor *pf, worker *w, uint64_t begin, uint64_t end) {
-    job *j = records_take(pf->s, w, 1);
-    if (!j) return false;
-    atomic_store_explicit(&w->submitted,
-                          atomic_load_explicit(&w->submitted, memory_order_relaxed) + 1,
-                          memory_order_release);
-    j->next = NULL;
-    j->fn = NULL;
-    j->arg = NULL;
-    j->name = "sp_parallel_for";
-    j->counter = pf->counter;
-    j->fiber = NULL;
-    j->pf = pf;
-    j->begin = begin;
-    j->end = end;
-    j->rank = RANK_NORMAL;
-    j->resume_pin = NO_PIN;
-    atomic_fetch_add(&pf->counter->value, 1);
-    chain_push(pf->s, w, j, 1);
-    return true;
-}
-
-/* Lazy binary splitting: before each grain-sized step, if nothing this worker split off is
- * still waiting in its deque (thieves took it, or there was none), split off the upper half. */
-static void pfor_run(pfor *pf, uint64_t begin, uint64_t end) {
-    while (end - begin > pf->grain) {
-        worker *w = current_worker(); /* fn may wait and move us: read it every step */
-        if (!deque_nonempty(w->deque[RANK_NORMAL])) {
-            uint64_t mid = begin + (end - begin) / 2;
-            if (pfor_spawn(pf, w, mid, end)) {
-                end = mid;
-                continue;
-            }
-        }
-        pf->fn(pf->arg, begin, begin + pf->grain);
-        begin += pf->grain;
-    }
-    if (begin < end) pf->fn(pf->arg, begin, end);
-}
-
 sp_result sp_parallel_for(sp_jobs *s, uint64_t begin, uint64_t end, uint64_t grain, sp_range_fn fn,
                           void *arg) {
     if (SP_UNLIKELY(!s || !fn))
         return sp_misuse(SP_ERR_INVALID_ARG, "sp_parallel_for", s, "NULL %s",
                          s ? "fn" : "scheduler");
     if (end <= begin) return SP_OK;
-    uint64_t n = end - begin;
-    if (grain == 0) grain = n / (64 * (uint64_t)(s->nworkers + 1));
+    if (grain == 0) grain = (end - begin) / (64 * (uint64_t)(s->nworkers + 1));
     if (grain == 0) grain = 1;
-    sp_counter *c = sp_counter_create(s, "sp_parallel_for");
-    if (SP_UNLIKELY(!c)) return atomic_load(&s->stopped) ? SP_ERR_SHUTDOWN : SP_ERR_NOMEM;
-    pfor pf = {.s = s, .fn = fn, .arg = arg, .grain = grain, .counter = c};
     worker *w = current_worker();
+    if (w && w->s != s) w = NULL;
+    if (!w) atomic_fetch_add(&s->ext_taken, 1);
+    if (SP_UNLIKELY((!w || !w->current_job) && atomic_load(&s->closing))) {
+        if (!w) atomic_fetch_sub(&s->ext_taken, 1);
+        return SP_ERR_SHUTDOWN;
+    }
+    sp_counter *c = sp_counter_create(s, "sp_parallel_for");
+    if (SP_UNLIKELY(!c)) {
+        if (!w) atomic_fetch_sub(&s->ext_taken, 1);
+        return SP_ERR_NOMEM;
+    }
+    pfor pf = {.fn = fn, .arg = arg, .grain = grain};
+    job piece = {.name = "sp_parallel_for",
+                 .counter = c,
+                 .pf = &pf,
+                 .begin = begin,
+                 .end = end,
+                 .resume_pin = NO_PIN,
+                 .rank = RANK_NORMAL,
+                 .kind = JOB_PFOR};
     sp_result r = SP_OK;
-    if (w && w->s == s && !(atomic_load(&s->stopped))) {
-        pfor_run(&pf, begin, end);
+    if (w) {
+        /* One of ours: run the range here, splitting pieces off for the others. */
+        piece_run(s, &piece);
     } else {
-        /* Not one of ours: hand the whole range over as one piece and block. */
-        job *j = atomic_load(&s->closing) ? NULL : records_take(s, NULL, 1);
-        if (!j) {
-            r = atomic_load(&s->closing) ? SP_ERR_SHUTDOWN : SP_ERR_LIMIT;
-        } else {
-            atomic_fetch_add(&s->ext_submitted, 1);
-            *j = (job){.name = "sp_parallel_for",
-                       .counter = c,
-                       .pf = &pf,
-                       .begin = begin,
-                       .end = end,
-                       .rank = RANK_NORMAL,
-                       .resume_pin = NO_PIN};
+        /* Hand the whole range over as one piece and block. */
+        job *j = records_take(s, NULL, 1);
+        if (j) {
+            *j = piece;
             atomic_fetch_add(&c->value, 1);
             chain_push(s, NULL, j, 1);
+        } else {
+            atomic_fetch_sub(&s->ext_taken, 1);
+            sp_log(SP_LOG_WARN, SP_ERR_LIMIT, "sp_parallel_for", s,
+                   "out of job records (max_jobs %u)", s->desc.max_jobs);
+            r = SP_ERR_LIMIT;
         }
     }
     sp_counter_wait(c, 0);
@@ -1034,17 +1120,14 @@ static void *worker_thread(void *arg) {
 
 /* ---- shutdown -------------------------------------------------------------------------- */
 
-static uint64_t sum_done(sp_jobs *s) {
+/* Sum of one statistic over the workers (each read atomically, the sum is not a snapshot). */
+static uint64_t sum_stat(sp_jobs *s, size_t offset) {
     uint64_t n = 0;
-    for (uint32_t i = 0; i <= s->nworkers; i++) n += atomic_load(&s->workers[i].done);
+    for (uint32_t i = 0; i <= s->nworkers; i++)
+        n += atomic_load((_Atomic uint64_t *)((char *)&s->workers[i] + offset));
     return n;
 }
-
-static uint64_t sum_submitted(sp_jobs *s) {
-    uint64_t n = atomic_load(&s->ext_submitted);
-    for (uint32_t i = 0; i <= s->nworkers; i++) n += atomic_load(&s->workers[i].submitted);
-    return n;
-}
+#define SUM(s, field) sum_stat((s), offsetof(worker, field))
 
 /* Abandon every parked job and deferred batch (they can never run), naming their counters. */
 static void abandon_waiters(sp_jobs *s) {
@@ -1089,12 +1172,15 @@ static void abandon_waiters(sp_jobs *s) {
 }
 
 /* Main thread's loop, while shutdown drains and nothing is left to run here: finished when
- * every submitted job has returned (done is read before submitted: see sp_jobs_shutdown), or
- * stuck when what is left only waits on counters and nothing ran for a while. */
+ * every job record is back, or stuck when what is left only waits on counters and nothing ran
+ * for a while. Every live job, piece or deferred batch holds a record, and a job takes the
+ * records of what it submits before it returns its own; `returned` is read before `taken`, so
+ * returned == taken means that at the moment between the two reads nothing was live, and
+ * nothing live means nothing can submit again (other threads are refused by `closing`). */
 static void drain_check(sp_jobs *s) {
     if (atomic_load(&s->drained)) return;
-    uint64_t done = sum_done(s), submitted = sum_submitted(s);
-    uint64_t outstanding = submitted - done;
+    uint64_t done = SUM(s, returned);
+    uint64_t outstanding = SUM(s, taken) + atomic_load(&s->ext_taken) - done;
     bool finished = outstanding == 0;
     /* Parked thread jobs: every background worker's, and the main thread's (it waits here). */
     int64_t parked_jobs = atomic_load(&s->parked) - (int64_t)s->nworkers - 1;
@@ -1150,7 +1236,7 @@ static void *watchdog_thread(void *arg) {
     while (!atomic_load(&s->watchdog_stop)) {
         sp_futex_wait((uint32_t *)&s->watchdog_stop, 0, (uint64_t)s->desc.watchdog_ms * 1000000);
         if (atomic_load(&s->watchdog_stop)) break;
-        uint64_t done = sum_done(s);
+        uint64_t done = SUM(s, done);
         bool busy = done != last_done;
         last_done = done;
         for (uint32_t i = 0; i <= s->nworkers && !busy; i++)
@@ -1345,15 +1431,12 @@ void sp_jobs_status_get(sp_jobs *s, sp_jobs_status *out) {
     }
     memset(out, 0, sizeof *out);
     out->workers = s->nworkers;
-    out->jobs_submitted = sum_submitted(s);
-    for (uint32_t i = 0; i <= s->nworkers; i++) {
-        worker *w = &s->workers[i];
-        out->jobs_run += atomic_load(&w->done);
-        out->jobs_stolen += atomic_load(&w->stolen);
-        out->parks += atomic_load(&w->parks);
-        out->sleeps += atomic_load(&w->sleeps);
-        out->fiber_exhaustions += (uint32_t)atomic_load(&w->exhaustions);
-    }
+    out->jobs_submitted = SUM(s, submitted) + atomic_load(&s->ext_submitted);
+    out->jobs_run = SUM(s, done);
+    out->jobs_stolen = SUM(s, stolen);
+    out->parks = SUM(s, parks);
+    out->sleeps = SUM(s, sleeps);
+    out->fiber_exhaustions = (uint32_t)SUM(s, exhaustions);
     out->fibers_in_use = sp_fiber_pool_in_use(s->pool);
     out->fibers_total = s->desc.fibers;
 }
