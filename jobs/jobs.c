@@ -16,10 +16,19 @@
  * always resumes on its own thread (it is pinned to its worker).
  *
  * Handing over across a switch. A fiber that parks must not be resumable before it is
- * suspended, so it keeps the counter's lock over the switch and the fiber that runs next
- * unlocks it (worker.pending_unlock); likewise a loop fiber that gives its worker to a resumed
- * job is put on the spare list by the resumed side (worker.pending_spare). after_switch runs
- * both, first thing after every switch.
+ * suspended, so it does not put itself on the counter's wait list: the fiber that runs next on
+ * its thread does (worker.pending_park). Likewise a loop fiber that gives its worker to a
+ * resumed job is put on the spare list by the resumed side (worker.pending_spare). after_switch
+ * does both, first thing after every switch.
+ *
+ * Wait lists are lock-free stacks: a waiter pushes itself, then reads the value again; a
+ * decrement that finds waiters takes the whole list, fires the ones it satisfies and pushes the
+ * rest back (then looks again, for decrements that found the list empty meanwhile). Counters
+ * need no lock, and a handoff (a job signals a counter another job waits on, then parks) costs
+ * three atomic read-modify-writes: the decrement, taking the list, and the next push.
+ *
+ * A job resumed by a job running on worker W goes to W's next-job slot (not stealable, no
+ * wake-up): W runs it as soon as its current job ends or waits, on a warm cache.
  */
 #include "sp_jobs.h"
 
@@ -53,8 +62,9 @@ typedef struct worker worker;
 typedef struct pfor pfor;
 
 /* Something waiting on a counter. FIBER: a parked job (the node lives on its fiber's stack).
- * BATCH: a deferred batch (the node lives in its first record). FLAG: a thread blocked on a
- * word (on its stack); the firer must read everything it needs before setting the flag. */
+ * BATCH: a deferred batch (the node lives in its first record). FLAG: a thread that is not a
+ * worker, blocked on a word (on its stack). A node is on a wait list until it is fired, and
+ * dies as soon as it is: the firer reads what it needs first. */
 enum waiter_kind { WAIT_FIBER, WAIT_BATCH, WAIT_FLAG };
 typedef struct waiter {
     struct waiter *next;
@@ -62,8 +72,7 @@ typedef struct waiter {
     uint32_t kind;
     uint32_t count;         /* BATCH: records in the chain */
     job *job;               /* FIBER: the parked job; BATCH: the chain's first record */
-    _Atomic uint32_t *flag; /* FLAG: set to 1 when the counter is reached */
-    worker *wake;           /* FLAG: worker to wake through its sleep word; NULL: futex on flag */
+    _Atomic uint32_t *flag; /* FLAG: set to 1 (and futex-woken) when the counter is reached */
 } waiter;
 
 /* What a record runs. A batch of jobs that share a priority and are not pinned is submitted
@@ -112,9 +121,7 @@ struct job {
 
 struct sp_counter {
     _Atomic int64_t value;
-    _Atomic int64_t wake_at; /* largest target in the wait list; INT64_MIN when empty */
-    sp_mutex lock;           /* the wait list, and wake_at's changes */
-    waiter *waiters;
+    _Atomic(waiter *) waiters; /* lock-free stack (see the top of the file) */
     sp_jobs *s;
     const char *name;
     sp_counter *next_free; /* the scheduler's free list (under s->counter_lock) */
@@ -141,8 +148,12 @@ struct worker {
     sp_fiber *thread_fiber;
     sp_fiber *current_fiber; /* the fiber running on this worker's thread now */
     job *current_job;        /* the job running now, NULL in the loop */
-    sp_mutex *pending_unlock;
-    sp_fiber *pending_spare;
+    waiter *pending_park;    /* after_switch: publish on pending_counter's wait list */
+    sp_counter *pending_counter;
+    sp_fiber *pending_spare; /* after_switch: becomes a spare */
+    job *next_job;           /* resumed by this worker's jobs: runs next (owner only) */
+    job *local_head[RANKS];  /* pinned to this worker by itself (owner only, FIFO) */
+    job *local_tail[RANKS];
     sp_fiber **spares; /* loop fibers suspended in their loop, owned by this worker */
     uint32_t spare_count;
     job *free_jobs; /* record cache (owner only) */
@@ -155,7 +166,7 @@ struct worker {
     _Atomic uint32_t busy;              /* 0 while idle (watchdog) */
     /* Statistics: written by the owner only (release stores), read by anyone. `taken` and
      * `returned` count job records (shutdown's drain); `submitted` and `done` count jobs. */
-    _Atomic uint64_t taken, returned, submitted, done, stolen, parks, sleeps, exhaustions;
+    _Atomic uint64_t taken, returned, submitted, done, stolen, parks, resumes, sleeps, exhaustions;
 };
 
 struct pfor {
@@ -175,7 +186,7 @@ struct sp_jobs {
     _Atomic uint32_t closing;                  /* shutdown began: outside submits are refused */
     _Atomic uint32_t stopped;                  /* shutdown finished */
     _Atomic uint64_t ext_taken, ext_submitted; /* records and jobs of non-worker threads */
-    _Atomic int64_t parked, deferred;
+    _Atomic int64_t deferred;                  /* records of batches waiting to start */
     _Atomic uint32_t exhaustion_logged;
     sp_counter *drain; /* the main thread waits on it during shutdown */
     _Atomic uint32_t drained;
@@ -266,6 +277,7 @@ static void wake_worker(worker *w) {
 /* Take worker i out of the idle set and wake it, if it is in it. */
 static bool wake_if_idle(sp_jobs *s, uint32_t i) {
     uint64_t bit = (uint64_t)1 << i;
+    if (!(atomic_load(&s->idle_mask) & bit)) return false;
     if (!(atomic_fetch_and(&s->idle_mask, ~bit) & bit)) return false;
     wake_worker(&s->workers[i]);
     return true;
@@ -292,8 +304,9 @@ static void wake_idle(sp_jobs *s, uint32_t n) {
 
 /* Whether w could find something to run (or to resume). seq_cst loads: see worker_idle. */
 static bool has_work(sp_jobs *s, worker *w) {
+    if (w->next_job) return true;
     for (int r = 0; r < RANKS; r++) {
-        if (atomic_load(&w->pinned[r].size) || deque_nonempty(w->deque[r]) ||
+        if (w->local_head[r] || atomic_load(&w->pinned[r].size) || deque_nonempty(w->deque[r]) ||
             atomic_load(&s->inject[r].size))
             return true;
         for (uint32_t i = 0; i <= s->nworkers; i++)
@@ -303,15 +316,16 @@ static bool has_work(sp_jobs *s, worker *w) {
 }
 
 /* Nothing to run: spin for desc.spin_ns, then sleep on the worker's futex until a push wakes
- * it (or `flag` is set: a nested wait's counter was reached). While shutdown drains, the main
- * thread sleeps at most 1 ms at a time so it can notice that everything finished. */
-static void worker_idle(sp_jobs *s, worker *w, _Atomic uint32_t *flag) {
+ * it. With `c`, also return once c reaches target (a nested wait: it polls every 100 us, as
+ * nothing wakes it for the counter). While shutdown drains, the main thread sleeps at most
+ * 1 ms at a time so it can notice that everything finished. */
+static void worker_idle(sp_jobs *s, worker *w, sp_counter *c, int64_t target) {
     atomic_store_explicit(&w->busy, 0, memory_order_relaxed);
     atomic_fetch_add(&s->spinning, 1);
     uint64_t t0 = sp_time_ns();
     bool found = false;
     for (uint32_t i = 1;; i++) {
-        if (has_work(s, w) || (flag && atomic_load(flag))) {
+        if (has_work(s, w) || (c && atomic_load(&c->value) <= target)) {
             found = true;
             break;
         }
@@ -323,12 +337,12 @@ static void worker_idle(sp_jobs *s, worker *w, _Atomic uint32_t *flag) {
     uint64_t bit = (uint64_t)1 << w->id;
     atomic_store(&w->sleep, 1);
     atomic_fetch_or(&s->idle_mask, bit);
-    if (!has_work(s, w) && !(flag && atomic_load(flag))) {
+    if (!has_work(s, w)) {
         const sp_jobs_hooks *h = &s->desc.hooks;
         stat_inc(&w->sleeps);
         if (h->worker_sleep) h->worker_sleep(h->user, w->id);
-        uint64_t timeout = w->id == 0 && atomic_load(&s->closing) ? 1000000 : 0;
-        while (atomic_load(&w->sleep) == 1 && !(flag && atomic_load(flag))) {
+        uint64_t timeout = c ? 100000 : w->id == 0 && atomic_load(&s->closing) ? 1000000 : 0;
+        while (atomic_load(&w->sleep) == 1) {
             sp_futex_wait((uint32_t *)&w->sleep, 1, timeout);
             if (timeout) break;
         }
@@ -405,43 +419,58 @@ static void record_put(sp_jobs *s, worker *w, job *j) {
 
 /* ---- making jobs ready ------------------------------------------------------------------ */
 
-/* Queue j where it can be found: its pinned worker's queue, else the calling worker's deque,
- * else (not a worker, or the deque is full) the injection queue. Does not wake anyone: returns
- * the pinned worker to wake, NO_PIN for "any". */
+/* Queue j where it can be found: pinned to the calling worker, its local list; pinned to
+ * another, that worker's queue; else the calling worker's deque, or (not a worker, or the
+ * deque is full) the injection queue. Does not wake anyone: returns the worker to wake for a
+ * job pinned elsewhere, NO_PIN when any worker may run it, and the caller's id for its own. */
 static uint32_t job_push(sp_jobs *s, worker *w, job *j) {
-    if (j->resume_pin != NO_PIN) {
-        mpsc_push(&s->workers[j->resume_pin].pinned[j->rank], j);
-        return j->resume_pin;
+    uint32_t pin = j->resume_pin;
+    if (pin == NO_PIN) {
+        if (!w || !sp_deque_push_local(w->deque[j->rank], j)) mpsc_push(&s->inject[j->rank], j);
+    } else if (w && pin == w->id) {
+        j->next = NULL;
+        if (w->local_head[j->rank]) {
+            w->local_tail[j->rank]->next = j;
+        } else {
+            w->local_head[j->rank] = j;
+        }
+        w->local_tail[j->rank] = j;
+    } else {
+        mpsc_push(&s->workers[pin].pinned[j->rank], j);
     }
-    if (!w || !sp_deque_push_local(w->deque[j->rank], j)) mpsc_push(&s->inject[j->rank], j);
-    return NO_PIN;
+    return pin;
 }
 
 /* Push a chain of n jobs (linked by next) and wake the workers they need. */
 static void chain_push(sp_jobs *s, worker *w, job *chain, uint32_t n) {
-    uint32_t anyone = 0, pin = NO_PIN;
-    bool pins_differ = false;
+    uint32_t anyone = 0;
+    uint64_t pinned = 0; /* workers other than w with new pinned jobs */
     for (job *j = chain, *next; j; j = next) {
         next = j->next;
-        uint32_t p = job_push(s, w, j);
-        if (p == NO_PIN) {
+        uint32_t pin = job_push(s, w, j);
+        if (pin == NO_PIN) {
             anyone++;
-        } else if (pin == NO_PIN || pin == p) {
-            pin = p;
-        } else {
-            pins_differ = true;
+        } else if (!w || pin != w->id) {
+            pinned |= (uint64_t)1 << pin;
         }
     }
     (void)n;
-    if (pin != NO_PIN) {
-        atomic_thread_fence(memory_order_seq_cst);
-        if (pins_differ) {
-            for (uint32_t i = 0; i <= s->nworkers; i++) wake_if_idle(s, i);
-        } else {
-            wake_if_idle(s, pin);
-        }
+    if (pinned) {
+        atomic_thread_fence(memory_order_seq_cst); /* as in wake_idle */
+        for (; pinned; pinned &= pinned - 1) wake_if_idle(s, (uint32_t)__builtin_ctzll(pinned));
     }
     if (anyone) wake_idle(s, anyone);
+}
+
+/* A parked job is ready again. Resumed by a job of this scheduler's worker w: it runs next on
+ * w (unless w already has one, or it is pinned elsewhere); otherwise it is queued. */
+static void job_ready(sp_jobs *s, worker *w, job *j) {
+    if (w && !w->next_job && (j->resume_pin == NO_PIN || j->resume_pin == w->id)) {
+        w->next_job = j;
+        return;
+    }
+    j->next = NULL;
+    chain_push(s, w, j, 1);
 }
 
 /* ---- counters -------------------------------------------------------------------------- */
@@ -450,46 +479,13 @@ static bool counter_reached(const sp_counter *c, int64_t target) {
     return atomic_load(&c->value) <= target;
 }
 
-/* Under c->lock: add `wt` unless the counter is already at its target. Publishing wake_at and
- * then reading the value again pairs with counter_lower's decrement-then-read (both seq_cst):
- * either the waiter sees the new value or the decrementer sees the waiter. */
-static bool waiter_add_locked(sp_counter *c, waiter *wt) {
-    if (counter_reached(c, wt->target)) return false;
-    wt->next = c->waiters;
-    c->waiters = wt;
-    if (wt->target > atomic_load_explicit(&c->wake_at, memory_order_relaxed))
-        atomic_store(&c->wake_at, wt->target);
-    if (counter_reached(c, wt->target)) {
-        c->waiters = wt->next; /* wake_at may stay high: the next decrement rescans */
-        return false;
-    }
-    return true;
-}
-
-/* Remove wt from c's list if it is still there; false if it was already taken (fired). */
-static bool waiter_remove(sp_counter *c, waiter *wt) {
-    bool found = false;
-    sp_mutex_lock(&c->lock);
-    for (waiter **pp = &c->waiters; *pp; pp = &(*pp)->next) {
-        if (*pp == wt) {
-            *pp = wt->next;
-            found = true;
-            break;
-        }
-    }
-    sp_mutex_unlock(&c->lock);
-    return found;
-}
-
 static void waiter_fire(sp_jobs *s, waiter *wt) {
     worker *w = current_worker();
     if (w && w->s != s) w = NULL;
     switch (wt->kind) {
-    case WAIT_FIBER: {
-        job *j = wt->job; /* wt dies with the parked frame once j runs: read it first */
-        chain_push(s, w, (j->next = NULL, j), 1);
+    case WAIT_FIBER:
+        job_ready(s, w, wt->job); /* wt dies with the parked frame once the job runs */
         break;
-    }
     case WAIT_BATCH: {
         job *first = wt->job;
         uint32_t n = wt->count;
@@ -498,37 +494,43 @@ static void waiter_fire(sp_jobs *s, waiter *wt) {
         break;
     }
     case WAIT_FLAG: {
-        worker *wake = wt->wake;
-        _Atomic uint32_t *flag = wt->flag;
+        _Atomic uint32_t *flag = wt->flag; /* wt dies once the flag is seen */
         atomic_store(flag, 1);
-        if (wake) {
-            wake_worker(wake);
-        } else {
-            sp_futex_wake((uint32_t *)flag, 1);
-        }
+        sp_futex_wake((uint32_t *)flag, 1);
         break;
     }
     }
 }
 
-/* The value reached what some waiter wants: fire every satisfied waiter (after unlocking). */
+/* Something may wait for the value c has now: take the whole list, fire the waiters it
+ * satisfies, push the others back, and look again if the value moved past one of those
+ * meanwhile (a decrement that found the list empty while we held it woke no one). */
 SP_NOINLINE static void counter_wake(sp_counter *c) {
     waiter *ready = NULL;
-    sp_mutex_lock(&c->lock);
-    int64_t v = atomic_load(&c->value), wake_at = INT64_MIN;
-    for (waiter **pp = &c->waiters; *pp;) {
-        waiter *wt = *pp;
-        if (v <= wt->target) {
-            *pp = wt->next;
-            wt->next = ready;
-            ready = wt;
-        } else {
-            if (wt->target > wake_at) wake_at = wt->target;
-            pp = &wt->next;
+    for (;;) {
+        waiter *list = atomic_exchange(&c->waiters, NULL);
+        if (!list) break;
+        int64_t v = atomic_load(&c->value), keep_max = INT64_MIN;
+        waiter *keep = NULL, *keep_tail = NULL;
+        for (waiter *wt = list, *next; wt; wt = next) {
+            next = wt->next;
+            if (v <= wt->target) {
+                wt->next = ready;
+                ready = wt;
+            } else {
+                wt->next = keep;
+                keep = wt;
+                if (!keep_tail) keep_tail = wt;
+                if (wt->target > keep_max) keep_max = wt->target;
+            }
         }
+        if (!keep) break;
+        waiter *head = atomic_load_explicit(&c->waiters, memory_order_relaxed);
+        do {
+            keep_tail->next = head;
+        } while (!atomic_compare_exchange_weak(&c->waiters, &head, keep));
+        if (atomic_load(&c->value) > keep_max) break;
     }
-    atomic_store(&c->wake_at, wake_at);
-    sp_mutex_unlock(&c->lock);
     while (ready) {
         waiter *wt = ready;
         ready = wt->next;
@@ -536,12 +538,22 @@ SP_NOINLINE static void counter_wake(sp_counter *c) {
     }
 }
 
+/* Put wt on c's wait list, then read the value again: a decrement that came in between found
+ * no waiter (both sides are seq_cst: one sees the other). */
+static void waiter_publish(sp_counter *c, waiter *wt) {
+    waiter *head = atomic_load_explicit(&c->waiters, memory_order_relaxed);
+    do {
+        wt->next = head;
+    } while (!atomic_compare_exchange_weak(&c->waiters, &head, wt));
+    if (counter_reached(c, wt->target)) counter_wake(c);
+}
+
 /* Counters are never freed before the scheduler (sp_counter_destroy recycles them), so a
- * decrementer that reads wake_at after the last waiter has returned and destroyed the counter
- * reads valid memory; at worst it rescans a recycled counter's list for nothing. */
+ * decrementer that looks at the list after the last waiter has returned and destroyed the
+ * counter reads valid memory; at worst it rescans a recycled counter's list for nothing. */
 static void counter_lower(sp_counter *c, int64_t n) {
-    int64_t v = atomic_fetch_sub(&c->value, n) - n;
-    if (SP_UNLIKELY(v <= atomic_load(&c->wake_at))) counter_wake(c);
+    atomic_fetch_sub(&c->value, n);
+    if (SP_UNLIKELY(atomic_load(&c->waiters) != NULL)) counter_wake(c);
 }
 
 /* ---- fibers ---------------------------------------------------------------------------- */
@@ -552,10 +564,10 @@ static bool piece_spawn(sp_jobs *s, worker *w, const job *j, uint64_t begin, uin
 
 static void after_switch(void) {
     worker *w = current_worker();
-    if (w->pending_unlock) {
-        sp_mutex *m = w->pending_unlock;
-        w->pending_unlock = NULL;
-        sp_mutex_unlock(m);
+    if (w->pending_park) {
+        waiter *wt = w->pending_park;
+        w->pending_park = NULL;
+        waiter_publish(w->pending_counter, wt);
     }
     if (w->pending_spare) {
         w->spares[w->spare_count++] = w->pending_spare;
@@ -580,15 +592,25 @@ static sp_fiber *loop_fiber_get(sp_jobs *s, worker *w) {
     return sp_fiber_acquire(s->pool, loop_main, NULL);
 }
 
-/* Resume parked job j on w, from loop fiber `self`, which becomes a spare. */
-static void job_resume(worker *w, sp_fiber *self, job *j) {
+/* Bookkeeping for parked job j about to run again on w; returns its fiber. */
+static sp_fiber *job_unpark(worker *w, job *j) {
     sp_fiber *f = j->fiber;
     j->fiber = NULL;
-    atomic_fetch_sub(&w->s->parked, 1);
-    const sp_jobs_hooks *h = &w->s->desc.hooks;
-    if (h->job_resume && j != &w->thread_job) h->job_resume(h->user, w->id, j->name);
-    w->current_job = j == &w->thread_job ? NULL : j;
-    if (j == &w->thread_job) atomic_store_explicit(&w->busy, 0, memory_order_relaxed);
+    if (j->kind == JOB_THREAD) {
+        w->current_job = NULL;
+        atomic_store_explicit(&w->busy, 0, memory_order_relaxed);
+    } else {
+        w->current_job = j;
+        stat_inc(&w->resumes);
+        const sp_jobs_hooks *h = &w->s->desc.hooks;
+        if (h->job_resume) h->job_resume(h->user, w->id, j->name);
+    }
+    return f;
+}
+
+/* Resume parked job j on w, from loop fiber `self`, which becomes a spare. */
+static void job_resume(worker *w, sp_fiber *self, job *j) {
+    sp_fiber *f = job_unpark(w, j);
     w->pending_spare = self;
     switch_to(w, f);
 }
@@ -606,28 +628,20 @@ static bool job_park(sp_jobs *s, worker *w, job *me, sp_counter *c, int64_t targ
             me->completed = 0;
         }
     }
+    if (counter_reached(c, target)) return false;
     waiter node = {.target = target, .kind = WAIT_FIBER, .job = me};
-    sp_mutex_lock(&c->lock);
-    if (!waiter_add_locked(c, &node)) {
-        sp_mutex_unlock(&c->lock);
-        return false;
-    }
     me->fiber = w->current_fiber;
     /* A thread's own stack must come back to its own thread. */
     if (w->current_fiber == w->thread_fiber && me->resume_pin != w->id) me->resume_pin = w->id;
-    atomic_fetch_add(&s->parked, 1);
-    stat_inc(&w->parks);
-    const sp_jobs_hooks *h = &s->desc.hooks;
-    if (h->job_park && me != &w->thread_job) h->job_park(h->user, w->id, me->name);
-    w->pending_unlock = &c->lock; /* unlocked by whoever runs next on this thread */
+    if (me->kind != JOB_THREAD) {
+        stat_inc(&w->parks);
+        const sp_jobs_hooks *h = &s->desc.hooks;
+        if (h->job_park) h->job_park(h->user, w->id, me->name);
+    }
+    w->pending_park = &node; /* published by whoever runs next on this thread */
+    w->pending_counter = c;
     if (next_job) {
-        sp_fiber *f = next_job->fiber;
-        (void)f;
-        next_job->fiber = NULL;
-        atomic_fetch_sub(&s->parked, 1);
-        if (h->job_resume && next_job != &w->thread_job)
-            h->job_resume(h->user, w->id, next_job->name);
-        w->current_job = next_job == &w->thread_job ? NULL : next_job;
+        job_unpark(w, next_job);
     } else {
         w->current_job = NULL;
     }
@@ -658,10 +672,22 @@ static job *steal(sp_jobs *s, worker *w, int r) {
     return NULL;
 }
 
-/* Highest rank first; within a rank: pinned, own deque, injection, stolen. */
+/* The next-job slot first (a resumed job, on a warm cache); then highest rank first, and
+ * within a rank: pinned here by this worker, pinned here by others, own deque, injection,
+ * stolen. */
 static job *find_work(sp_jobs *s, worker *w) {
+    job *j = w->next_job;
+    if (j) {
+        w->next_job = NULL;
+        return j;
+    }
     for (int r = 0; r < RANKS; r++) {
-        job *j = mpsc_pop(&w->pinned[r]);
+        j = w->local_head[r];
+        if (j) {
+            w->local_head[r] = j->next;
+            return j;
+        }
+        j = mpsc_pop(&w->pinned[r]);
         if (!j) j = sp_deque_pop_local(w->deque[r]);
         if (!j) j = inject_pop(&s->inject[r]);
         if (!j) j = steal(s, w, r);
@@ -764,7 +790,7 @@ static void loop_main(sp_fiber *self, void *arg) {
         if (!j) {
             if (w->id == 0 && atomic_load_explicit(&s->closing, memory_order_relaxed))
                 drain_check(s);
-            worker_idle(s, w, NULL);
+            worker_idle(s, w, NULL, 0);
             continue;
         }
         atomic_store_explicit(&w->busy, 1, memory_order_relaxed);
@@ -792,10 +818,7 @@ SP_COLD static void exhaustion_report(sp_jobs *s, worker *w, sp_counter *c) {
 static void wait_blocking(sp_counter *c, int64_t target) {
     _Atomic uint32_t flag = 0;
     waiter node = {.target = target, .kind = WAIT_FLAG, .flag = &flag};
-    sp_mutex_lock(&c->lock);
-    bool added = waiter_add_locked(c, &node);
-    sp_mutex_unlock(&c->lock);
-    if (!added) return;
+    waiter_publish(c, &node); /* fired (flag set) once c reaches target, maybe at once */
     while (!atomic_load(&flag)) sp_futex_wait((uint32_t *)&flag, 0, 0);
 }
 
@@ -813,15 +836,7 @@ static void wait_nested(sp_jobs *s, worker *w, job *me, sp_counter *c, int64_t t
             w = current_worker();
             w->current_job = me == &w->thread_job ? NULL : me;
         } else {
-            _Atomic uint32_t flag = 0;
-            waiter node = {.target = target, .kind = WAIT_FLAG, .flag = &flag, .wake = w};
-            sp_mutex_lock(&c->lock);
-            bool added = waiter_add_locked(c, &node);
-            sp_mutex_unlock(&c->lock);
-            if (!added) break;
-            worker_idle(s, w, &flag);
-            if (!waiter_remove(c, &node))
-                while (!atomic_load(&flag)) sp_thread_yield(); /* its firer is finishing */
+            worker_idle(s, w, c, target);
         }
         w = current_worker();
     }
@@ -880,7 +895,6 @@ sp_counter *sp_counter_create(sp_jobs *s, const char *name) {
         memset(chunk, 0, COUNTER_CHUNK * sizeof(sp_counter));
         for (int i = COUNTER_CHUNK; i-- > 0;) {
             chunk[i].s = s;
-            atomic_init(&chunk[i].wake_at, INT64_MIN);
             chunk[i].next_free = s->counter_free;
             s->counter_free = &chunk[i];
         }
@@ -898,9 +912,7 @@ sp_counter *sp_counter_create(sp_jobs *s, const char *name) {
 void sp_counter_destroy(sp_counter *c) {
     if (!c) return;
     sp_jobs *s = c->s;
-    sp_mutex_lock(&c->lock);
-    bool waited = c->waiters != NULL;
-    sp_mutex_unlock(&c->lock);
+    bool waited = atomic_load(&c->waiters) != NULL;
     int64_t v = atomic_load(&c->value);
     if (SP_UNLIKELY(waited || v > 0)) {
         sp_misuse(SP_ERR_INVALID_ARG, "sp_counter_destroy", c,
@@ -1021,12 +1033,11 @@ static sp_result submit(sp_jobs *s, sp_counter *after, int64_t after_target, con
         waiter *node = &chain->defer;
         *node =
             (waiter){.target = after_target, .kind = WAIT_BATCH, .count = records, .job = chain};
-        atomic_fetch_add(&s->deferred, records);
-        sp_mutex_lock(&after->lock);
-        bool added = waiter_add_locked(after, node);
-        sp_mutex_unlock(&after->lock);
-        if (added) return SP_OK;
-        atomic_fetch_sub(&s->deferred, records);
+        if (!counter_reached(after, after_target)) {
+            atomic_fetch_add(&s->deferred, records);
+            waiter_publish(after, node); /* pushes the batch itself if reached meanwhile */
+            return SP_OK;
+        }
     }
     chain_push(s, w, chain, records);
     return SP_OK;
@@ -1107,7 +1118,6 @@ static void *worker_thread(void *arg) {
     w->current_fiber = w->thread_fiber;
     /* Park this stack as the thread job until shutdown makes it ready. */
     w->thread_job.fiber = w->thread_fiber;
-    atomic_fetch_add(&w->s->parked, 1);
     switch_to(w, w->spares[--w->spare_count]);
     /* Shutdown: every loop fiber of this worker is a spare now. */
     w = current_worker();
@@ -1136,9 +1146,9 @@ static void abandon_waiters(sp_jobs *s) {
         sp_counter *chunk = s->counter_chunks[k];
         for (int i = 0; i < COUNTER_CHUNK; i++) {
             sp_counter *c = &chunk[i];
-            sp_mutex_lock(&c->lock);
+            /* Nothing runs any more: the list holds still. Threads blocked in waits stay. */
             waiter *list = NULL, *keep = NULL;
-            for (waiter *wt = c->waiters, *next; wt; wt = next) {
+            for (waiter *wt = atomic_exchange(&c->waiters, NULL), *next; wt; wt = next) {
                 next = wt->next;
                 if (wt->kind == WAIT_FLAG) {
                     wt->next = keep;
@@ -1148,8 +1158,7 @@ static void abandon_waiters(sp_jobs *s) {
                     list = wt;
                 }
             }
-            c->waiters = keep;
-            sp_mutex_unlock(&c->lock);
+            atomic_store(&c->waiters, keep);
             for (waiter *wt = list, *next; wt; wt = next) {
                 next = wt->next;
                 bool fiber = wt->kind == WAIT_FIBER;
@@ -1161,7 +1170,6 @@ static void abandon_waiters(sp_jobs *s) {
                        (long long)atomic_load(&c->value), (long long)wt->target);
                 if (fiber) {
                     sp_fiber_release(s->pool, wt->job->fiber); /* wt lived on that stack */
-                    atomic_fetch_sub(&s->parked, 1);
                 } else {
                     atomic_fetch_sub(&s->deferred, wt->count);
                 }
@@ -1182,8 +1190,7 @@ static void drain_check(sp_jobs *s) {
     uint64_t done = SUM(s, returned);
     uint64_t outstanding = SUM(s, taken) + atomic_load(&s->ext_taken) - done;
     bool finished = outstanding == 0;
-    /* Parked thread jobs: every background worker's, and the main thread's (it waits here). */
-    int64_t parked_jobs = atomic_load(&s->parked) - (int64_t)s->nworkers - 1;
+    int64_t parked_jobs = (int64_t)(SUM(s, parks) - SUM(s, resumes));
     if (!finished && (int64_t)outstanding == parked_jobs + atomic_load(&s->deferred)) {
         uint64_t now = sp_time_ns();
         if (done != s->drain_last_done || s->drain_still_since == 0) {
@@ -1247,13 +1254,10 @@ static void *watchdog_thread(void *arg) {
             for (int i = 0; i < COUNTER_CHUNK; i++) {
                 sp_counter *c = &chunk[i];
                 if (!c->live) continue;
-                sp_mutex_lock(&c->lock);
-                int64_t target = INT64_MIN;
-                for (waiter *wt = c->waiters; wt; wt = wt->next)
-                    if (wt->target > target) target = wt->target;
-                sp_mutex_unlock(&c->lock);
+                /* Only whether someone waits: the nodes belong to their waiters. */
+                bool waited = atomic_load(&c->waiters) != NULL;
                 int64_t v = atomic_load(&c->value);
-                if (target == INT64_MIN || busy || v != c->wd_value) {
+                if (!waited || busy || v != c->wd_value) {
                     c->wd_value = v;
                     c->wd_still = 0;
                     c->wd_reported = false;
@@ -1262,10 +1266,9 @@ static void *watchdog_thread(void *arg) {
                 if (++c->wd_still >= 1 && !c->wd_reported) {
                     c->wd_reported = true;
                     sp_log(SP_LOG_ERROR, SP_ERR_STALLED, "sp_counter_wait", c,
-                           "counter '%s' is waited on (value %lld, target %lld) but no job has "
-                           "run for %u ms and none is running or runnable: nothing can reach it",
-                           c->name ? c->name : "(unnamed)", (long long)v, (long long)target,
-                           s->desc.watchdog_ms);
+                           "counter '%s' is waited on (value %lld, above the target) but no job "
+                           "has run for %u ms and none is running: nothing can reach it",
+                           c->name ? c->name : "(unnamed)", (long long)v, s->desc.watchdog_ms);
                 }
             }
         }
@@ -1349,6 +1352,7 @@ sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc) {
         w->rng = 0x9e3779b97f4a7c15ull * (i + 1);
         w->thread_job.resume_pin = i;
         w->thread_job.rank = RANK_HIGH;
+        w->thread_job.kind = JOB_THREAD;
         w->thread_job.name = "thread";
         for (int rk = 0; rk < RANKS; rk++) {
             mpsc_init(&w->pinned[rk]);
