@@ -846,6 +846,13 @@ static void wait_nested(sp_jobs *s, worker *w, job *me, sp_counter *c, int64_t t
  * worker's loop on another fiber until the counter is reached. */
 static void wait_on_worker(sp_jobs *s, worker *w, sp_counter *c, int64_t target) {
     job *me = w->current_job ? w->current_job : &w->thread_job;
+    job *ready = w->next_job;
+    if (ready && ready->fiber) {
+        /* A handoff: the job this worker resumed runs next anyway; switch straight to it. */
+        w->next_job = NULL;
+        if (!job_park(s, w, me, c, target, ready->fiber, ready)) w->next_job = ready;
+        return;
+    }
     sp_fiber *next = loop_fiber_get(s, w);
     if (SP_UNLIKELY(!next)) {
         wait_nested(s, w, me, c, target);
