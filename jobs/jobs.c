@@ -120,8 +120,8 @@ struct job {
 };
 
 struct sp_counter {
-    _Atomic int64_t value;
-    _Atomic(waiter *) waiters; /* lock-free stack (see the top of the file) */
+    alignas(64) _Atomic int64_t value; /* a line of its own: counters are hot and shared */
+    _Atomic(waiter *) waiters;         /* lock-free stack (see the top of the file) */
     sp_jobs *s;
     const char *name;
     sp_counter *next_free; /* the scheduler's free list (under s->counter_lock) */
@@ -131,6 +131,7 @@ struct sp_counter {
     uint32_t wd_still; /* consecutive ticks without progress while waited on */
     bool wd_reported;
 };
+_Static_assert(sizeof(sp_counter) == 64, "a counter takes one cache line");
 
 /* A queue that any thread pushes to: wfcqueue plus a size for cheap emptiness checks. */
 typedef struct mpsc {
