@@ -451,8 +451,9 @@ static bool piece_spawn(sp_jobs *s, worker *w, const job *j, uint64_t begin, uin
                .kind = j->kind};
     if (j->kind == JOB_BATCH) {
         atomic_fetch_add_explicit(&j->batch->pieces, 1, memory_order_relaxed);
-    } else {
-        atomic_fetch_add(&j->counter->value, 1); /* a parallel_for counts pieces */
+    } else { /* a parallel_for piece is a job of its own (hooks, status, its counter) */
+        atomic_fetch_add(&j->counter->value, 1);
+        stat_inc(&w->submitted);
     }
     jobs_chain_push(s, w, k, 1);
     return true;
@@ -506,7 +507,10 @@ static void job_run(sp_jobs *s, worker *w, job *j) {
         if (j->kind == JOB_PFOR && h->job_begin) h->job_begin(h->user, w->id, j->name);
         jobs_piece_run(s, j);
         w = jobs_current_worker();
-        if (j->kind == JOB_PFOR && h->job_end) h->job_end(h->user, w->id, j->name);
+        if (j->kind == JOB_PFOR) {
+            if (h->job_end) h->job_end(h->user, w->id, j->name);
+            stat_inc(&w->done);
+        }
         if (j->kind == JOB_BATCH) {
             n = (int64_t)j->completed;
             if (atomic_fetch_sub_explicit(&j->batch->pieces, 1, memory_order_acq_rel) == 1)

@@ -108,7 +108,10 @@ typedef struct sp_jobs_desc {
                              waits (deterministic order) */
     uint32_t fibers;      /* fiber pool size (default 128): bounds the jobs parked at once */
     size_t fiber_stack;   /* bytes per fiber stack (default 256 KiB; committed as touched) */
-    uint32_t max_jobs;    /* job records: jobs submitted and not yet finished (default 65536) */
+    uint32_t max_jobs;    /* job records in flight (default 65536): a job submitted alone,
+                             pinned or in a mixed-priority batch takes one until it returns;
+                             a batch of unpinned same-priority jobs takes one per piece it is
+                             split into; a parallel_for one per piece split off */
     uint32_t deque_size;  /* per worker and priority, a power of two (default 4096); more
                              spill into the injection queue */
     uint32_t spin_ns;     /* idle spin before a futex sleep (default 50000) */
@@ -119,8 +122,8 @@ typedef struct sp_jobs_desc {
 
 typedef struct sp_jobs_status {
     uint32_t workers;        /* background threads (not counting the main thread) */
-    uint64_t jobs_submitted; /* since create */
-    uint64_t jobs_run;       /* finished */
+    uint64_t jobs_submitted; /* since create; parallel_for pieces split off count as jobs */
+    uint64_t jobs_run;       /* finished (each with a job_begin and a job_end hook call) */
     uint64_t jobs_stolen;
     uint64_t parks;         /* waits that parked a fiber */
     uint32_t fibers_in_use; /* acquired from the pool (running, parked or cached by a worker) */

@@ -148,6 +148,7 @@ sp_result sp_parallel_for(sp_jobs *s, uint64_t begin, uint64_t end, uint64_t gra
         job *j = jobs_records_take(s, NULL, 1);
         if (j) {
             *j = piece;
+            atomic_fetch_add(&s->ext_submitted, 1);
             atomic_fetch_add(&c->value, 1);
             jobs_chain_push(s, NULL, j, 1);
         } else {
