@@ -125,7 +125,9 @@ void sp_counter_destroy(sp_counter *c) {
     sp_jobs *s = c->s;
     bool waited = atomic_load(&c->waiters) != NULL;
     int64_t v = atomic_load(&c->value);
-    if (SP_UNLIKELY(waited || v > 0)) {
+    /* A positive value may still be lowered by a job that holds the counter. After shutdown no
+     * job runs: what is left was abandoned. */
+    if (SP_UNLIKELY(waited || (v > 0 && !atomic_load(&s->stopped)))) {
         sp_misuse(SP_ERR_INVALID_ARG, "sp_counter_destroy", c,
                   "counter '%s' is still in use (value %lld%s): not destroyed",
                   c->name ? c->name : "(unnamed)", (long long)v, waited ? ", waited on" : "");

@@ -44,11 +44,13 @@ static void abandon_waiters(sp_jobs *s) {
         sp_counter *chunk = s->counter_chunks[k];
         for (int i = 0; i < COUNTER_CHUNK; i++) {
             sp_counter *c = &chunk[i];
-            /* Nothing runs any more: the list holds still. Threads blocked in waits stay. */
+            /* Nothing runs any more: the list holds still. Threads blocked in waits stay, and
+             * so does the main thread's own wait (on s->drain, while it shuts down). */
             waiter *list = NULL, *keep = NULL;
             for (waiter *wt = atomic_exchange(&c->waiters, NULL), *next; wt; wt = next) {
                 next = wt->next;
-                if (wt->kind == WAIT_FLAG) {
+                if (wt->kind == WAIT_FLAG ||
+                    (wt->kind == WAIT_FIBER && wt->job->kind == JOB_THREAD)) {
                     wt->next = keep;
                     keep = wt;
                 } else {
@@ -60,6 +62,7 @@ static void abandon_waiters(sp_jobs *s) {
             for (waiter *wt = list, *next; wt; wt = next) {
                 next = wt->next;
                 bool fiber = wt->kind == WAIT_FIBER;
+                s->abandoned = true;
                 sp_log(SP_LOG_ERROR, SP_ERR_STALLED, "sp_jobs_shutdown", c,
                        "%s '%s' waits on counter '%s' (value %lld, target %lld) that nothing can "
                        "reach: abandoned",
@@ -128,7 +131,7 @@ sp_result sp_jobs_shutdown(sp_jobs *s) {
     }
     while (w->spare_count) sp_fiber_release(s->pool, w->spares[--w->spare_count]);
     atomic_store(&s->stopped, 1);
-    return SP_OK;
+    return s->abandoned ? SP_ERR_STALLED : SP_OK;
 }
 
 /* ---- watchdog (debug builds) ----------------------------------------------------------- */

@@ -163,6 +163,7 @@ struct sp_jobs {
     sp_counter *drain; /* the main thread waits on it during shutdown */
     _Atomic uint32_t drained;
     uint64_t drain_last_done, drain_still_since; /* main thread only */
+    bool abandoned; /* shutdown gave up on jobs that could never run (main thread only) */
     /* job records */
     job *records;
     sp_mutex record_lock;

@@ -79,9 +79,10 @@ static job *mpsc_pop(mpsc *q) {
     return j;
 }
 
+/* NULL when empty, or when another consumer holds the queue (size stays non-zero). */
 static job *inject_pop(mpsc *q) {
     if (atomic_load_explicit(&q->size, memory_order_relaxed) == 0) return NULL;
-    if (!sp_mutex_trylock(&q->pop_lock)) return NULL; /* another consumer is at it */
+    if (!sp_mutex_trylock(&q->pop_lock)) return NULL;
     job *j = mpsc_pop(q);
     sp_mutex_unlock(&q->pop_lock);
     return j;
@@ -391,8 +392,9 @@ SP_INLINE bool job_park(sp_jobs *s, worker *w, job *me, sp_counter *c, int64_t t
 
 /* ---- running jobs ---------------------------------------------------------------------- */
 
-/* Steal a job of rank r from another worker, starting at a random one. */
-static job *steal(sp_jobs *s, worker *w, int r) {
+/* Steal a job of rank r from another worker, starting at a random one. NULL with *seen set
+ * when some deque held work but other thieves (or its owner) took it first. */
+static job *steal(sp_jobs *s, worker *w, int r, bool *seen) {
     uint32_t n = s->nworkers + 1;
     if (n == 1) return NULL;
     w->rng ^= w->rng << 13, w->rng ^= w->rng >> 7, w->rng ^= w->rng << 17;
@@ -403,6 +405,7 @@ static job *steal(sp_jobs *s, worker *w, int r) {
         sp_deque *d = s->workers[i].deque[r];
         for (int tries = 0; tries < 4 && deque_nonempty(d); tries++) {
             void *item;
+            *seen = true;
             if (sp_deque_steal_remote(d, &item) == SP_STEAL_ITEM) {
                 stat_inc(&w->stolen);
                 return item;
@@ -412,26 +415,33 @@ static job *steal(sp_jobs *s, worker *w, int r) {
     return NULL;
 }
 
-/* The next-job slot first (a resumed job, on a warm cache); then highest rank first, and
- * within a rank: pinned here by this worker, pinned here by others, own deque, injection,
- * stolen. */
+/* Highest rank first, strictly: a rank is given up only once nothing of it is left anywhere
+ * this worker may take from (lost steals and busy queues are tried again). Within a rank: the
+ * next-job slot (a resumed job, on a warm cache), pinned here by this worker, pinned here by
+ * others, own deque, injection, stolen. */
 static job *find_work(sp_jobs *s, worker *w) {
-    job *j = w->next_job;
-    if (j) {
-        w->next_job = NULL;
-        return j;
-    }
     for (int r = 0; r < RANKS; r++) {
+        job *j = w->next_job;
+        if (j && j->rank == r) {
+            w->next_job = NULL;
+            return j;
+        }
         j = w->local_head[r];
         if (j) {
             w->local_head[r] = j->next;
             return j;
         }
-        j = mpsc_pop(&w->pinned[r]);
-        if (!j) j = sp_deque_pop_local(w->deque[r]);
-        if (!j) j = inject_pop(&s->inject[r]);
-        if (!j) j = steal(s, w, r);
-        if (j) return j;
+        for (;;) {
+            bool seen = false;
+            j = mpsc_pop(&w->pinned[r]);
+            if (!j) j = sp_deque_pop_local(w->deque[r]);
+            if (!j) j = inject_pop(&s->inject[r]);
+            if (!j) j = steal(s, w, r, &seen);
+            if (j) return j;
+            if (!seen && !atomic_load_explicit(&w->pinned[r].size, memory_order_relaxed) &&
+                !atomic_load_explicit(&s->inject[r].size, memory_order_relaxed))
+                break;
+        }
     }
     return NULL;
 }

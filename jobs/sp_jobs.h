@@ -50,7 +50,9 @@
  * worker id, or a thread-cache pointer taken before the suspending call: read them again
  * after it (sp_jobs_worker_id is safe to call again; it is never hoisted across a suspension).
  * Compilers keep TLS addresses in callee-saved registers across calls, so this applies to
- * plain `_Thread_local` accesses in the job's own function.
+ * plain `_Thread_local` accesses in the job's own function. Exceptions: a pinned job always
+ * resumes on its own worker, and so does a job that was run on the main thread's own stack
+ * (only when every fiber is in use, see sp_counter_wait).
  */
 #ifndef SP_JOBS_H
 #define SP_JOBS_H
@@ -140,10 +142,13 @@ typedef struct sp_jobs_status {
 sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc);
 
 /* Run every pending job to completion (waiting, helping as the main thread), stop and join
- * the workers. Afterwards submits return SP_ERR_SHUTDOWN. Jobs that can never run (a batch
- * deferred on, or a fiber parked on, a counter nothing will reach once all else is done) are
- * reported with SP_ERR_STALLED and abandoned. Main thread only, outside jobs. A second call
- * does nothing and returns SP_ERR_SHUTDOWN. */
+ * the workers. Afterwards submits return SP_ERR_SHUTDOWN; sp_jobs_status_get still works
+ * until destroy. Jobs that can never run (a batch deferred on, or a fiber parked on, a counter
+ * nothing will reach once all else is done, 100 ms without progress) are reported one by one
+ * with SP_ERR_STALLED naming job and counter, and abandoned: shutdown then returns
+ * SP_ERR_STALLED instead of SP_OK. Threads blocked in sp_counter_wait outside the scheduler
+ * stay blocked. Main thread only, outside jobs (else misuse, SP_ERR_INVALID_ARG). A second
+ * call does nothing and returns SP_ERR_SHUTDOWN. */
 sp_result sp_jobs_shutdown(sp_jobs *s);
 
 /* Shut down if not done, then free everything; NULL is ignored. Main thread only. */
@@ -171,8 +176,10 @@ sp_result sp_jobs_submit_after(sp_jobs *s, sp_counter *after, int64_t after_targ
  * when all are done. Splitting is adaptive (lazy binary splitting): a piece splits off half of
  * its remaining range only while no split-off work is waiting to be stolen, never below
  * `grain` elements (0 = automatic). May suspend the caller (see sp_counter_wait); nests inside
- * jobs and inside other parallel_for calls. Errors as sp_jobs_submit; with SP_ERR_LIMIT the
- * part not yet split off runs on the caller. */
+ * jobs and inside other parallel_for calls. begin >= end is an empty range (SP_OK, no call).
+ * Out of job records, the caller runs what it cannot split off: the range is always covered.
+ * Returns SP_OK; SP_ERR_SHUTDOWN (after shutdown began, outside jobs), SP_ERR_NOMEM (no
+ * counter), SP_ERR_INVALID_ARG (misuse: NULL s or fn). */
 typedef void (*sp_range_fn)(void *arg, uint64_t begin, uint64_t end);
 sp_result sp_parallel_for(sp_jobs *s, uint64_t begin, uint64_t end, uint64_t grain, sp_range_fn fn,
                           void *arg);
@@ -189,15 +196,19 @@ void sp_jobs_status_get(sp_jobs *s, sp_jobs_status *out);
  * Any thread. Returns NULL when out of memory or after shutdown. */
 sp_counter *sp_counter_create(sp_jobs *s, const char *name);
 
-/* Free a counter. Misuse, reported and ignored (counter kept): jobs or waits still using it.
- * NULL is ignored. */
+/* Free a counter (its memory is recycled; sp_jobs_destroy frees it). Misuse, reported and
+ * ignored (counter kept): a wait or a deferred batch on it, or a value above 0 before
+ * shutdown (jobs may still lower it) (SP_ERR_INVALID_ARG); destroyed twice
+ * (SP_ERR_DOUBLE_FREE). After shutdown any counter without waiters may be destroyed. NULL is
+ * ignored. */
 void sp_counter_destroy(sp_counter *c);
 
 /* Raise by n (work the caller will signal later). Any thread, never suspends. */
 void sp_counter_add(sp_counter *c, int64_t n);
 
 /* Lower by n and resume the waits and start the deferred batches this satisfies. Any thread,
- * never suspends. Cost: one atomic; a lock when something waits at the new value. */
+ * never suspends. Cost: one atomic; when something waits, an exchange that takes the wait
+ * list and a push for each waiter not yet satisfied. */
 void sp_counter_sub(sp_counter *c, int64_t n);
 
 /* The current value (a snapshot). Any thread. */
@@ -208,7 +219,9 @@ int64_t sp_counter_value(const sp_counter *c);
  * If every fiber is in use the wait instead runs other jobs on the waiting job's own stack
  * until the counter is reached (logged once per scheduler, counted in fiber_exhaustions).
  * On the main thread outside jobs: runs jobs until the counter is reached, then sleeps on a
- * futex. On other threads: sleeps on a futex. Returns SP_OK, or SP_ERR_INVALID_ARG (NULL).
+ * futex. On other threads: sleeps on a futex. Returns SP_OK; misuse: SP_ERR_INVALID_ARG
+ * (NULL), SP_ERR_SHUTDOWN (the counter is not reached and the scheduler is shut down: nothing
+ * can reach it any more).
  * Debug builds: a wait that nothing can complete (no job running or runnable, no progress for
  * watchdog_ms) is reported with SP_ERR_STALLED naming the counter; the wait goes on. */
 sp_result sp_counter_wait(sp_counter *c, int64_t target);

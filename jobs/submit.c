@@ -139,7 +139,6 @@ sp_result sp_parallel_for(sp_jobs *s, uint64_t begin, uint64_t end, uint64_t gra
                  .resume_pin = NO_PIN,
                  .rank = RANK_NORMAL,
                  .kind = JOB_PFOR};
-    sp_result r = SP_OK;
     if (w) {
         /* One of ours: run the range here, splitting pieces off for the others. */
         jobs_piece_run(s, &piece);
@@ -151,14 +150,12 @@ sp_result sp_parallel_for(sp_jobs *s, uint64_t begin, uint64_t end, uint64_t gra
             atomic_fetch_add(&s->ext_submitted, 1);
             atomic_fetch_add(&c->value, 1);
             jobs_chain_push(s, NULL, j, 1);
-        } else {
+        } else { /* out of records: the caller does it all, serially */
             atomic_fetch_sub(&s->ext_taken, 1);
-            sp_log(SP_LOG_WARN, SP_ERR_LIMIT, "sp_parallel_for", s,
-                   "out of job records (max_jobs %u)", s->desc.max_jobs);
-            r = SP_ERR_LIMIT;
+            fn(arg, begin, end);
         }
     }
     sp_counter_wait(c, 0);
     sp_counter_destroy(c);
-    return r;
+    return SP_OK;
 }
