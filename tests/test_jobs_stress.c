@@ -346,12 +346,107 @@ static void run(const jt_config *c, uint64_t seed) {
     if (jt_log_total() != limit || limit > 1) jt_log_diag();
 }
 
+/* ---- shutdown racing submits from other threads ---------------------------------------- */
+
+typedef struct racer {
+    sp_counter *c;       /* created before shutdown: after it, sp_counter_create gives NULL */
+    atomic_int *ok_subs; /* submits that returned SP_OK, all racers */
+    uint64_t accepted;   /* jobs in batches that returned SP_OK */
+    uint64_t bad;        /* a refused batch that changed the counter or ran, a failed wait */
+    slot *s;
+    uint32_t cap;
+    ts_rng r;
+} racer;
+
+static void *racer_thread(void *arg) {
+    racer *rc = arg;
+    sp_job_desc d[8];
+    for (;;) {
+        uint32_t n = (uint32_t)ts_rng_range(&rc->r, 1, 8);
+        if (rc->accepted + n > rc->cap) break;
+        slot *s = rc->s + rc->accepted;
+        for (uint32_t i = 0; i < n; i++) {
+            s[i].expect = rc->accepted + i;
+            d[i] = jt_job(leaf_fn, &s[i], "racer");
+        }
+        sp_result res = sp_jobs_submit(S, d, n, rc->c);
+        if (res == SP_ERR_SHUTDOWN) {
+            /* All-or-nothing: nothing of the refused batch ran, the counter did not move. */
+            for (uint32_t i = 0; i < n; i++) rc->bad += atomic_load(&s[i].runs) != 0;
+            rc->bad += sp_counter_value(rc->c) != 0;
+            break;
+        }
+        if (res == SP_OK) atomic_fetch_add(rc->ok_subs, 1); /* inline: runs in main's waits */
+        if (res != SP_OK || sp_counter_wait(rc->c, 0) != SP_OK) {
+            rc->bad++;
+            break;
+        }
+        rc->accepted += n;
+    }
+    return NULL;
+}
+
+/* Other threads submit and wait while the main thread shuts down: every submit either returns
+ * SP_OK and its jobs run before shutdown returns, or returns SP_ERR_SHUTDOWN and changes
+ * nothing. */
+static void shutdown_race(const jt_config *c, uint64_t seed) {
+    CFG = c;
+    sp_jobs_desc desc = {.workers = c->workers, .no_workers = c->no_workers};
+    if (sp_jobs_create(&S, &desc) != SP_OK) {
+        ok(0, "%s: create", c->name);
+        return;
+    }
+    enum { CAP = 1 << 16 };
+    atomic_int ok_subs = 0;
+    racer rc[EXTERNAL];
+    sp_thread t[EXTERNAL];
+    int started = 0;
+    for (int i = 0; i < EXTERNAL; i++) {
+        rc[i] = (racer){.c = sp_counter_create(S, "racer"), .ok_subs = &ok_subs, .cap = CAP};
+        rc[i].s = calloc(CAP, sizeof(slot));
+        if (!rc[i].c || !rc[i].s) abort();
+        ts_rng_seed(&rc[i].r, seed + (uint64_t)i);
+    }
+    for (int i = 0; i < EXTERNAL; i++)
+        if (sp_thread_start(&t[started], racer_thread, &rc[i], "jt-racer") == SP_OK) started++;
+    bool some = jt_poll_int(&ok_subs, started); /* every racer got at least one batch in */
+    sp_result res = sp_jobs_shutdown(S);
+    for (int i = 0; i < started; i++) sp_thread_join(t[i]);
+    uint64_t accepted = 0, bad = 0, ran = 0, wrong_payload = 0;
+    for (int i = 0; i < EXTERNAL; i++) {
+        accepted += rc[i].accepted;
+        bad += rc[i].bad;
+        for (uint32_t k = 0; k < CAP; k++) {
+            int runs = atomic_load(&rc[i].s[k].runs);
+            ran += (uint64_t)runs;
+            if (k < rc[i].accepted && (runs != 1 || rc[i].s[k].payload != (k ^ MAGIC)))
+                wrong_payload++;
+        }
+    }
+    ok(some && res == SP_OK && started == EXTERNAL,
+       "%s: shutdown while %d threads submit and wait returns SP_OK (%s)", c->name, started,
+       sp_result_name(res));
+    ok(bad == 0 && ran == accepted && wrong_payload == 0,
+       "%s: each submit ran all its jobs once (%llu) or was refused with nothing run (bad %llu, "
+       "ran %llu, wrong %llu)",
+       c->name, (unsigned long long)accepted, (unsigned long long)bad, (unsigned long long)ran,
+       (unsigned long long)wrong_payload);
+    for (int i = 0; i < EXTERNAL; i++) {
+        sp_counter_destroy(rc[i].c);
+        free(rc[i].s);
+    }
+    sp_jobs_destroy(S);
+    S = NULL;
+}
+
 int main(void) {
     jt_log_capture();
     for (int i = 0; i < JT_SWEEP; i++) {
         if (jt_sweep[i].workers == 1) continue; /* 0 (inline), 2, 4, 8 */
         jt_deadline(jt_sweep[i].name, 60);
         run(&jt_sweep[i], 0x5eed0000u + (uint64_t)i);
+        jt_deadline("shutdown racing submits", 60);
+        shutdown_race(&jt_sweep[i], 0x7ace0000u + (uint64_t)i);
     }
     alarm(0);
     jt_log_release();
