@@ -19,8 +19,20 @@
  * A thread belongs to at most one scheduler at a time.
  *
  * Counters count down. Submitting a batch of n jobs with a counter adds n to it and each job
- * subtracts 1 when it returns; sp_counter_sub signals by hand. A wait for `target` completes
- * once the value is <= target (usually 0). Counters can be reused for batch after batch.
+ * subtracts 1 once it has returned; sp_counter_sub signals by hand. A wait for `target`
+ * completes once the value is <= target (usually 0). Counters can be reused for batch after
+ * batch. A batch of jobs that share a priority and are not pinned runs as pieces that split
+ * lazily (a few records and steals per batch, not one per job); a piece takes its finished
+ * jobs off the counter when it ends or when one of its jobs waits, so the value may lag behind
+ * jobs that have returned while their piece still runs. Wait with sp_counter_wait, never by
+ * polling sp_counter_value in a job (a sibling the poll waits for may be queued behind it).
+ *
+ * Jobs wait for each other only through counters. A job that blocks its thread on something
+ * another job must do (a mutex, a condition variable, a spin on a flag) may deadlock.
+ *
+ * Where a resumed job runs: a parked job made ready by a job running on worker W runs next on
+ * W (it is not stolen: a handoff stays on a warm cache), as soon as W's current job ends or
+ * waits; made ready from elsewhere, it is queued like a new job.
  *
  * Concurrency:
  *   sp_jobs_submit, sp_jobs_submit_after, sp_parallel_for,
@@ -134,14 +146,16 @@ sp_result sp_jobs_shutdown(sp_jobs *s);
 /* Shut down if not done, then free everything; NULL is ignored. Main thread only. */
 void sp_jobs_destroy(sp_jobs *s);
 
-/* Submit `count` jobs. If `counter` is not NULL it is raised by count now and lowered by one
- * as each job returns. All-or-nothing: on error no job was submitted and the counter is
- * unchanged. Any thread, jobs included; never suspends. Cost (from a worker): a record from
- * the worker's cache and a deque push per job, one fence and at most `count` futex wakes for
- * sleeping workers; from other threads a wfcqueue enqueue per job. Errors: SP_ERR_SHUTDOWN
- * (after shutdown began, from a thread that is not running a job), SP_ERR_LIMIT (out of job
- * records, logged), SP_ERR_INVALID_ARG (misuse: NULL s, jobs with count > 0, NULL fn, a pinned
- * worker out of range). count 0 is SP_OK and does nothing. */
+/* Submit `count` jobs (the descs are copied; the array may be reused at once). If `counter`
+ * is not NULL it is raised by count now and lowered as the jobs return (see the top).
+ * All-or-nothing: on error no job was submitted and the counter is unchanged. Any thread,
+ * jobs included; never suspends. Cost: jobs sharing a priority and not pinned: one malloc'd
+ * copy of the descs and one record, pushed once (a worker's deque; other threads: the
+ * wfcqueue); otherwise a record and a push per job. Then one fence, and a futex wake per
+ * sleeping worker needed. Errors: SP_ERR_SHUTDOWN (after shutdown began, from a thread that
+ * is not running a job), SP_ERR_LIMIT (out of job records, logged), SP_ERR_NOMEM (the copy,
+ * logged), SP_ERR_INVALID_ARG (misuse: NULL s, jobs with count > 0, NULL fn, a pinned worker
+ * out of range). count 0 is SP_OK and does nothing. */
 sp_result sp_jobs_submit(sp_jobs *s, const sp_job_desc *jobs, uint32_t count, sp_counter *counter);
 
 /* As sp_jobs_submit, but the jobs start only once `after` reaches `after_target` (at once if
