@@ -245,6 +245,10 @@ sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc) {
         s->record_free = &s->records[i];
     }
     s->record_free_count = d.max_jobs;
+    /* Worker caches hold at most a quarter of the records between them. */
+    s->record_batch = d.max_jobs / (8 * (d.workers + 1));
+    if (s->record_batch > RECORD_BATCH) s->record_batch = RECORD_BATCH;
+    if (s->record_batch == 0) s->record_batch = 1;
     for (int rk = 0; rk < RANKS; rk++) jobs_mpsc_init(&s->inject[rk]);
     for (uint32_t i = 0; i <= s->nworkers; i++) {
         worker *w = &s->workers[i];

@@ -23,9 +23,10 @@
 #include "sp_platform.h"
 
 enum { RANK_HIGH = 0, RANK_NORMAL = 1, RANK_LOW = 2, RANKS = 3 };
-enum { MAX_WORKERS = 64 };   /* main thread + 63: the idle set is one 64-bit mask */
-enum { RECORD_BATCH = 64 };  /* job records moved between a worker cache and the pool */
-enum { COUNTER_CHUNK = 64 }; /* counters allocated together (never freed before destroy) */
+enum { MAX_WORKERS = 64 };      /* main thread + 63: the idle set is one 64-bit mask */
+enum { RECORD_BATCH = 64 };     /* records moved between a worker cache and the pool, at most */
+enum { HIDDEN_PATIENCE = 256 }; /* looks (a few us) for work a running piece will split off */
+enum { COUNTER_CHUNK = 64 };    /* counters allocated together (never freed before destroy) */
 #define NO_PIN UINT32_MAX
 
 typedef struct job job;
@@ -87,6 +88,7 @@ struct job {
     uint32_t resume_pin; /* worker it must run on, or NO_PIN */
     uint8_t rank;
     uint8_t kind;
+    bool hiding;  /* a running piece holding jobs beyond its current step (sp_jobs.hidden) */
     waiter defer; /* first record of a deferred submit: its wait-list node */
 };
 
@@ -154,6 +156,7 @@ struct sp_jobs {
     sp_fiber_pool *pool;
     mpsc inject[RANKS];
     _Atomic uint64_t idle_mask;                /* bit i: worker i is asleep or about to sleep */
+    _Atomic uint32_t hidden[RANKS];            /* running pieces that hold more jobs of each rank */
     _Atomic uint32_t spinning;                 /* workers spinning for work */
     _Atomic uint32_t closing;                  /* shutdown began: outside submits are refused */
     _Atomic uint32_t stopped;                  /* shutdown finished */
@@ -169,6 +172,8 @@ struct sp_jobs {
     sp_mutex record_lock;
     job *record_free;
     uint32_t record_free_count;
+    uint32_t record_batch;           /* worker caches move records in batches of this */
+    _Atomic uint32_t records_wanted; /* takers short of records: workers, flush your caches */
     /* counters */
     sp_mutex counter_lock;
     sp_counter *counter_free;
@@ -208,6 +213,7 @@ SP_HIDDEN bool jobs_wake_if_idle(sp_jobs *s, uint32_t i);
 SP_HIDDEN void jobs_switch_to(worker *w, sp_fiber *to);
 SP_HIDDEN void jobs_loop_main(sp_fiber *self, void *arg);
 SP_HIDDEN void jobs_piece_run(sp_jobs *s, job *j);
+SP_HIDDEN void jobs_piece_hide(sp_jobs *s, job *j, bool hides);
 /* counter.c */
 SP_HIDDEN SP_NOINLINE void jobs_counter_wake(sp_counter *c);
 SP_HIDDEN void jobs_waiter_publish(sp_counter *c, waiter *wt);

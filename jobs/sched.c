@@ -136,16 +136,24 @@ static bool has_work(sp_jobs *s, worker *w) {
     return false;
 }
 
+static void records_flush(sp_jobs *s, worker *w, uint32_t keep);
+
 /* Nothing to run: spin for desc.spin_ns, then sleep on the worker's futex until a push wakes
  * it. With `c`, also return once c reaches target (a nested wait: it polls every 100 us, as
  * nothing wakes it for the counter). While shutdown drains, the main thread sleeps at most
  * 1 ms at a time so it can notice that everything finished. */
+/* An idle worker gives its cached job records back when a taker is short of them. */
+static void idle_flush(sp_jobs *s, worker *w) {
+    if (SP_UNLIKELY(atomic_load(&s->records_wanted)) && w->free_count) records_flush(s, w, 0);
+}
+
 static void worker_idle(sp_jobs *s, worker *w, sp_counter *c, int64_t target) {
     atomic_store_explicit(&w->busy, 0, memory_order_relaxed);
     atomic_fetch_add(&s->spinning, 1);
     uint64_t t0 = sp_time_ns();
     bool found = false;
     for (uint32_t i = 1;; i++) {
+        idle_flush(s, w);
         if (has_work(s, w) || (c && atomic_load(&c->value) <= target)) {
             found = true;
             break;
@@ -158,6 +166,7 @@ static void worker_idle(sp_jobs *s, worker *w, sp_counter *c, int64_t target) {
     uint64_t bit = (uint64_t)1 << w->id;
     atomic_store(&w->sleep, 1);
     atomic_fetch_or(&s->idle_mask, bit);
+    idle_flush(s, w); /* records_wait wakes only workers in the idle set */
     if (!has_work(s, w)) {
         const sp_jobs_hooks *h = &s->desc.hooks;
         stat_inc(&w->sleeps);
@@ -175,8 +184,29 @@ static void worker_idle(sp_jobs *s, worker *w, sp_counter *c, int64_t target) {
 
 /* ---- job records ----------------------------------------------------------------------- */
 
-/* Move up to n records from the pool to w's cache. */
-static void records_refill(sp_jobs *s, worker *w, uint32_t n) {
+/* Records live in one pool (s->record_free, under record_lock) and in small per-worker caches
+ * (owner only) that are refilled and flushed in batches of s->record_batch. A cache never
+ * holds more than 2 * record_batch, which is scaled down for small max_jobs; when a take
+ * finds too few records anywhere it asks the workers to flush their caches (records_wanted)
+ * and gives them a moment, so max_jobs records are usable however they are spread. */
+
+/* Move the cache's records beyond `keep` to the pool. */
+static void records_flush(sp_jobs *s, worker *w, uint32_t keep) {
+    if (w->free_count <= keep) return;
+    sp_mutex_lock(&s->record_lock);
+    while (w->free_count > keep) {
+        job *k = w->free_jobs;
+        w->free_jobs = k->next;
+        k->next = s->record_free;
+        s->record_free = k;
+        w->free_count--;
+        s->record_free_count++;
+    }
+    sp_mutex_unlock(&s->record_lock);
+}
+
+/* Move up to n records from the pool to w's cache; true if w now holds `need`. */
+static bool records_refill(sp_jobs *s, worker *w, uint32_t n, uint32_t need) {
     sp_mutex_lock(&s->record_lock);
     while (n-- && s->record_free) {
         job *j = s->record_free;
@@ -187,26 +217,12 @@ static void records_refill(sp_jobs *s, worker *w, uint32_t n) {
         w->free_count++;
     }
     sp_mutex_unlock(&s->record_lock);
+    return w->free_count >= need;
 }
 
-/* A chain of n records linked by next, or NULL when there are not that many free (the ones
- * found stay cached). w NULL: a thread that is not a worker takes them from the pool, and
- * counts them in ext_taken itself (before it looks at `closing`, see submit). */
-job *jobs_records_take(sp_jobs *s, worker *w, uint32_t n) {
+/* n records from the pool, or NULL if it has fewer. */
+static job *records_take_pool(sp_jobs *s, uint32_t n) {
     job *chain = NULL;
-    if (w) {
-        if (w->free_count < n) records_refill(s, w, n - w->free_count + RECORD_BATCH);
-        if (w->free_count < n) return NULL;
-        w->free_count -= n;
-        stat_add(&w->taken, n);
-        while (n--) {
-            job *j = w->free_jobs;
-            w->free_jobs = j->next;
-            j->next = chain;
-            chain = j;
-        }
-        return chain;
-    }
     sp_mutex_lock(&s->record_lock);
     if (s->record_free_count >= n) {
         s->record_free_count -= n;
@@ -221,21 +237,55 @@ job *jobs_records_take(sp_jobs *s, worker *w, uint32_t n) {
     return chain;
 }
 
+/* Too few records: ask every worker to flush its cache, wake the sleeping ones (they flush on
+ * their way back to sleep), and look again for up to 10 ms (workers may be descheduled: this
+ * is the way to SP_ERR_LIMIT, not a fast path). */
+SP_COLD static bool records_wait(sp_jobs *s, worker *w, uint32_t n) {
+    atomic_fetch_add(&s->records_wanted, 1);
+    for (uint32_t i = 0; i <= s->nworkers; i++) jobs_wake_if_idle(s, i);
+    bool got = false;
+    for (uint64_t t0 = sp_time_ns(); !got && sp_time_ns() - t0 < 10000000; sp_thread_yield()) {
+        sp_mutex_lock(&s->record_lock);
+        got = s->record_free_count + (w ? w->free_count : 0) >= n;
+        sp_mutex_unlock(&s->record_lock);
+    }
+    atomic_fetch_sub(&s->records_wanted, 1);
+    return got;
+}
+
+/* A chain of n records linked by next, or NULL when there are not that many free (the ones
+ * found stay cached). w NULL: a thread that is not a worker takes them from the pool, and
+ * counts them in ext_taken itself (before it looks at `closing`, see submit). */
+job *jobs_records_take(sp_jobs *s, worker *w, uint32_t n) {
+    job *chain = NULL;
+    if (!w) {
+        chain = records_take_pool(s, n);
+        if (SP_UNLIKELY(!chain) && records_wait(s, NULL, n)) chain = records_take_pool(s, n);
+        return chain;
+    }
+    if (w->free_count < n && !records_refill(s, w, n - w->free_count + s->record_batch, n) &&
+        !(records_wait(s, w, n) && records_refill(s, w, n - w->free_count, n)))
+        return NULL;
+    w->free_count -= n;
+    stat_add(&w->taken, n);
+    while (n--) {
+        job *j = w->free_jobs;
+        w->free_jobs = j->next;
+        j->next = chain;
+        chain = j;
+    }
+    return chain;
+}
+
 static void record_put(sp_jobs *s, worker *w, job *j) {
-    stat_inc(&w->returned);
     j->next = w->free_jobs;
     w->free_jobs = j;
-    if (++w->free_count < 2 * RECORD_BATCH) return;
-    sp_mutex_lock(&s->record_lock);
-    for (int i = 0; i < RECORD_BATCH; i++) {
-        job *k = w->free_jobs;
-        w->free_jobs = k->next;
-        k->next = s->record_free;
-        s->record_free = k;
-    }
-    w->free_count -= RECORD_BATCH;
-    s->record_free_count += RECORD_BATCH;
-    sp_mutex_unlock(&s->record_lock);
+    w->free_count++;
+    if (SP_UNLIKELY(atomic_load_explicit(&s->records_wanted, memory_order_relaxed)))
+        records_flush(s, w, 0);
+    else if (w->free_count >= 2 * s->record_batch)
+        records_flush(s, w, s->record_batch);
+    stat_inc(&w->returned); /* after the record is back: see jobs_drain_check */
 }
 
 /* ---- making jobs ready ------------------------------------------------------------------ */
@@ -245,6 +295,8 @@ static void record_put(sp_jobs *s, worker *w, job *j) {
  * deque is full) the injection queue. Does not wake anyone: returns the worker to wake for a
  * job pinned elsewhere, NO_PIN when any worker may run it, and the caller's id for its own. */
 static uint32_t job_push(sp_jobs *s, worker *w, job *j) {
+    if (j->kind == JOB_BATCH || j->kind == JOB_PFOR)
+        jobs_piece_hide(s, j, j->end - j->begin > (j->kind == JOB_BATCH ? 1 : j->pf->grain));
     uint32_t pin = j->resume_pin;
     if (pin == NO_PIN) {
         if (!w || !sp_deque_push_local(w->deque[j->rank], j)) mpsc_push(&s->inject[j->rank], j);
@@ -356,19 +408,25 @@ static void job_resume(worker *w, sp_fiber *self, job *j) {
     switch_fiber(w, f);
 }
 
+/* A piece about to wait: the rest of it must not wait with it (it may be what the wait waits
+ * for), so it is queued as a piece of its own (if a record is free), and the jobs it ran are
+ * taken off its counter now. */
+static void piece_give_back(sp_jobs *s, worker *w, job *me) {
+    if (me->kind != JOB_BATCH && me->kind != JOB_PFOR) return;
+    if (me->begin < me->end && piece_spawn(s, w, me, me->begin, me->end)) me->end = me->begin;
+    jobs_piece_hide(s, me, false); /* what it still holds waits with it: look elsewhere */
+    if (me->completed) {
+        counter_lower(me->counter, (int64_t)me->completed);
+        me->completed = 0;
+    }
+}
+
 /* Park `me`, running on w's current fiber, on c until `target`, and continue on `next` (which
  * runs `next_job` if that is a resumed job, else is a loop fiber). False, with nothing changed,
  * if the counter is already reached. On true, returns once resumed (maybe elsewhere). */
 SP_INLINE bool job_park(sp_jobs *s, worker *w, job *me, sp_counter *c, int64_t target,
                         sp_fiber *next, job *next_job) {
-    if (me->kind == JOB_BATCH || me->kind == JOB_PFOR) {
-        /* The rest of a piece must not wait with it: it may be what the wait waits for. */
-        if (me->begin < me->end && piece_spawn(s, w, me, me->begin, me->end)) me->end = me->begin;
-        if (me->completed) {
-            counter_lower(me->counter, (int64_t)me->completed);
-            me->completed = 0;
-        }
-    }
+    piece_give_back(s, w, me);
     if (counter_reached(c, target)) return false;
     waiter node = {.target = target, .kind = WAIT_FIBER, .job = me};
     me->fiber = w->current_fiber;
@@ -431,15 +489,20 @@ static job *find_work(sp_jobs *s, worker *w) {
             w->local_head[r] = j->next;
             return j;
         }
-        for (;;) {
+        for (uint32_t tries = 0;; tries++) {
             bool seen = false;
             j = mpsc_pop(&w->pinned[r]);
             if (!j) j = sp_deque_pop_local(w->deque[r]);
             if (!j) j = inject_pop(&s->inject[r]);
             if (!j) j = steal(s, w, r, &seen);
             if (j) return j;
+            /* Nothing taken, but some of rank r may still be queued (a lost steal, a busy or
+             * half-pushed queue: look again), or held by a running piece that splits again at
+             * its next step (look again for a while: HIDDEN_PATIENCE). */
             if (!seen && !atomic_load_explicit(&w->pinned[r].size, memory_order_relaxed) &&
-                !atomic_load_explicit(&s->inject[r].size, memory_order_relaxed))
+                !atomic_load_explicit(&s->inject[r].size, memory_order_relaxed) &&
+                (tries >= HIDDEN_PATIENCE ||
+                 !atomic_load_explicit(&s->hidden[r], memory_order_relaxed)))
                 break;
         }
     }
@@ -469,6 +532,21 @@ static bool piece_spawn(sp_jobs *s, worker *w, const job *j, uint64_t begin, uin
     return true;
 }
 
+/* Whether piece j (queued or running) holds jobs beyond the step it runs: while any does,
+ * workers short of work of its rank look again rather than take lower-ranked work (a running
+ * piece splits off half of what it holds at its next step once its deque is empty). Set when
+ * a piece is queued (a deferred one is not counted while it waits) or starts running on its
+ * caller, cleared when it starts its last step or hands its rest back. */
+void jobs_piece_hide(sp_jobs *s, job *j, bool hides) {
+    if (hides == j->hiding) return;
+    j->hiding = hides;
+    if (hides) {
+        atomic_fetch_add(&s->hidden[j->rank], 1);
+    } else {
+        atomic_fetch_sub(&s->hidden[j->rank], 1);
+    }
+}
+
 /* Run what is left of piece j. Lazy binary splitting: before each step, if nothing split off
  * by this worker is still waiting in its deque (thieves took it, or there was none), split off
  * the upper half. A step is one job of a batch, or `grain` indices of a parallel_for. */
@@ -483,9 +561,11 @@ void jobs_piece_run(sp_jobs *s, job *j) {
             j->end = b + left / 2;
             continue;
         }
+        uint64_t e = j->kind == JOB_BATCH ? b + 1 : left > grain ? b + grain : j->end;
+        j->begin = e;
+        jobs_piece_hide(s, j, e < j->end);
         if (j->kind == JOB_BATCH) {
             const batch_job *bj = &j->batch->jobs[b];
-            j->begin = b + 1;
             if (h->job_begin) h->job_begin(h->user, w->id, bj->name);
             bj->fn(bj->arg);
             w = jobs_current_worker();
@@ -493,8 +573,6 @@ void jobs_piece_run(sp_jobs *s, job *j) {
             j->completed++;
             stat_inc(&w->done);
         } else {
-            uint64_t e = left > grain ? b + grain : j->end;
-            j->begin = e;
             j->pf->fn(j->pf->arg, b, e);
         }
     }
@@ -571,6 +649,7 @@ SP_COLD static void exhaustion_report(sp_jobs *s, worker *w, sp_counter *c) {
 /* No fiber to park on: run other jobs on this stack until c reaches target. */
 static void wait_nested(sp_jobs *s, worker *w, job *me, sp_counter *c, int64_t target) {
     exhaustion_report(s, w, c);
+    piece_give_back(s, w, me);
     while (!counter_reached(c, target)) {
         job *k = find_work(s, w);
         if (k && k->fiber) {

@@ -141,6 +141,7 @@ sp_result sp_parallel_for(sp_jobs *s, uint64_t begin, uint64_t end, uint64_t gra
                  .kind = JOB_PFOR};
     if (w) {
         /* One of ours: run the range here, splitting pieces off for the others. */
+        jobs_piece_hide(s, &piece, end - begin > grain);
         jobs_piece_run(s, &piece);
     } else {
         /* Hand the whole range over as one piece and block. */

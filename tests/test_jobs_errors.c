@@ -282,8 +282,13 @@ static void test_limit(const jt_config *c) {
     atomic_store(&runs, 0);
     sp_counter *gate = counter("limit gate"), *ctr = counter("limit");
     sp_counter_add(gate, 1);
+    /* Mixed priorities: such a batch takes a record per job (a same-priority batch shares one
+     * record among its pieces, see max_jobs in sp_jobs.h). */
     sp_job_desc d[MAX_JOBS];
-    for (int i = 0; i < MAX_JOBS; i++) d[i] = jt_job(run_fn, NULL, "held");
+    for (int i = 0; i < MAX_JOBS; i++) {
+        d[i] = jt_job(run_fn, NULL, "held");
+        d[i].priority = i % 2 ? SP_PRIORITY_HIGH : SP_PRIORITY_NORMAL;
+    }
 
     /* Deferred batches hold their records until they run. */
     bool sub = sp_jobs_submit_after(S, gate, 0, d, 40, ctr) == SP_OK;
