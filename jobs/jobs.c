@@ -130,6 +130,9 @@ sp_result sp_jobs_shutdown(sp_jobs *s) {
         s->watchdog_started = false;
     }
     while (w->spare_count) sp_fiber_release(s->pool, w->spares[--w->spare_count]);
+    for (uint32_t i = atomic_load(&s->spare_count); i-- > 0;)
+        sp_fiber_release(s->pool, s->spares[i]);
+    atomic_store(&s->spare_count, 0);
     atomic_store(&s->stopped, 1);
     return s->abandoned ? SP_ERR_STALLED : SP_OK;
 }
@@ -204,13 +207,13 @@ static void jobs_free(sp_jobs *s) {
         for (uint32_t i = 0; i <= s->nworkers; i++) {
             worker *w = &s->workers[i];
             for (int r = 0; r < RANKS; r++) free(w->deque[r]);
-            free(w->spares);
         }
         free(s->workers);
     }
     for (size_t k = 0; k < s->counter_chunk_count; k++) free(s->counter_chunks[k]);
     free(s->counter_chunks);
     free(s->records);
+    free(s->spares);
     sp_fiber_pool_destroy(s->pool);
     free(s);
 }
@@ -238,7 +241,8 @@ sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc) {
     size_t wbytes = sp_align_up((s->nworkers + 1) * sizeof(worker), 64);
     s->workers = aligned_alloc(64, wbytes);
     s->records = calloc(d.max_jobs, sizeof(job));
-    if (!s->workers || !s->records) goto fail;
+    s->spares = calloc(d.fibers, sizeof(sp_fiber *));
+    if (!s->workers || !s->records || !s->spares) goto fail;
     memset(s->workers, 0, wbytes);
     for (uint32_t i = d.max_jobs; i-- > 0;) {
         s->records[i].next = s->record_free;
@@ -265,8 +269,6 @@ sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc) {
             if (!mem) goto fail;
             w->deque[rk] = sp_deque_init(mem, d.deque_size);
         }
-        w->spares = calloc(d.fibers, sizeof(sp_fiber *));
-        if (!w->spares) goto fail;
     }
     r = sp_fiber_pool_create(&s->pool, d.fibers, d.fiber_stack);
     if (r != SP_OK) goto fail;

@@ -26,6 +26,7 @@ enum { RANK_HIGH = 0, RANK_NORMAL = 1, RANK_LOW = 2, RANKS = 3 };
 enum { MAX_WORKERS = 64 };      /* main thread + 63: the idle set is one 64-bit mask */
 enum { RECORD_BATCH = 64 };     /* records moved between a worker cache and the pool, at most */
 enum { HIDDEN_PATIENCE = 256 }; /* looks (a few us) for work a running piece will split off */
+enum { SPARES_LOCAL = 4 };      /* spare loop fibers a worker keeps for itself */
 enum { COUNTER_CHUNK = 64 };    /* counters allocated together (never freed before destroy) */
 #define NO_PIN UINT32_MAX
 
@@ -128,7 +129,8 @@ struct worker {
     job *next_job;           /* resumed by this worker's jobs: runs next (owner only) */
     job *local_head[RANKS];  /* pinned to this worker by itself (owner only, FIFO) */
     job *local_tail[RANKS];
-    sp_fiber **spares; /* loop fibers suspended in their loop, owned by this worker */
+    sp_fiber *spares[SPARES_LOCAL]; /* loop fibers suspended in their loop (owner only);
+                                       more go to the scheduler's list (sp_jobs.spares) */
     uint32_t spare_count;
     job *free_jobs; /* record cache (owner only) */
     uint32_t free_count;
@@ -154,6 +156,9 @@ struct sp_jobs {
     uint32_t nworkers; /* background workers; worker 0 is the main thread */
     worker *workers;   /* [0, nworkers] */
     sp_fiber_pool *pool;
+    sp_mutex spare_lock; /* spares, spare_count: loop fibers no worker keeps */
+    sp_fiber **spares;
+    _Atomic uint32_t spare_count; /* changed under spare_lock; peeked without it */
     mpsc inject[RANKS];
     _Atomic uint64_t idle_mask;                /* bit i: worker i is asleep or about to sleep */
     _Atomic uint32_t hidden[RANKS];            /* running pieces that hold more jobs of each rank */
@@ -211,6 +216,7 @@ SP_HIDDEN void jobs_chain_push(sp_jobs *s, worker *w, job *chain, uint32_t n);
 SP_HIDDEN void jobs_job_ready(sp_jobs *s, worker *w, job *j);
 SP_HIDDEN bool jobs_wake_if_idle(sp_jobs *s, uint32_t i);
 SP_HIDDEN void jobs_switch_to(worker *w, sp_fiber *to);
+SP_HIDDEN void jobs_spare_put(sp_jobs *s, worker *w, sp_fiber *f);
 SP_HIDDEN void jobs_loop_main(sp_fiber *self, void *arg);
 SP_HIDDEN void jobs_piece_run(sp_jobs *s, job *j);
 SP_HIDDEN void jobs_piece_hide(sp_jobs *s, job *j, bool hides);

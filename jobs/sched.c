@@ -149,6 +149,7 @@ static void idle_flush(sp_jobs *s, worker *w) {
 
 static void worker_idle(sp_jobs *s, worker *w, sp_counter *c, int64_t target) {
     atomic_store_explicit(&w->busy, 0, memory_order_relaxed);
+    if (w->id == 0 && atomic_load_explicit(&s->closing, memory_order_relaxed)) jobs_drain_check(s);
     atomic_fetch_add(&s->spinning, 1);
     uint64_t t0 = sp_time_ns();
     bool found = false;
@@ -359,7 +360,7 @@ static void after_switch(void) {
         jobs_waiter_publish(w->pending_counter, wt);
     }
     if (w->pending_spare) {
-        w->spares[w->spare_count++] = w->pending_spare;
+        jobs_spare_put(w->s, w, w->pending_spare);
         w->pending_spare = NULL;
     }
 }
@@ -379,10 +380,35 @@ void jobs_switch_to(worker *w, sp_fiber *to) {
     switch_fiber(w, to);
 }
 
-/* A loop fiber for w to continue on: a spare, else a fresh one; NULL if the pool is empty. */
+/* A loop fiber suspended in its loop: kept by w (a few), else by the scheduler, so that no
+ * worker hoards the fibers another needs. */
+void jobs_spare_put(sp_jobs *s, worker *w, sp_fiber *f) {
+    if (w->spare_count < SPARES_LOCAL) {
+        w->spares[w->spare_count++] = f;
+        return;
+    }
+    sp_mutex_lock(&s->spare_lock);
+    uint32_t n = atomic_load_explicit(&s->spare_count, memory_order_relaxed);
+    s->spares[n] = f;
+    atomic_store_explicit(&s->spare_count, n + 1, memory_order_relaxed);
+    sp_mutex_unlock(&s->spare_lock);
+}
+
+/* A loop fiber for w to continue on: a spare (w's, else the scheduler's), else a fresh one;
+ * NULL if every fiber is in use. */
 static sp_fiber *loop_fiber_get(sp_jobs *s, worker *w) {
     if (w->spare_count) return w->spares[--w->spare_count];
-    return sp_fiber_acquire(s->pool, jobs_loop_main, NULL);
+    sp_fiber *f = NULL;
+    if (atomic_load_explicit(&s->spare_count, memory_order_relaxed)) { /* the lock decides */
+        sp_mutex_lock(&s->spare_lock);
+        uint32_t n = atomic_load_explicit(&s->spare_count, memory_order_relaxed);
+        if (n) {
+            f = s->spares[n - 1];
+            atomic_store_explicit(&s->spare_count, n - 1, memory_order_relaxed);
+        }
+        sp_mutex_unlock(&s->spare_lock);
+    }
+    return f ? f : sp_fiber_acquire(s->pool, jobs_loop_main, NULL);
 }
 
 /* Bookkeeping for parked job j about to run again on w; returns its fiber. */
@@ -620,8 +646,6 @@ void jobs_loop_main(sp_fiber *self, void *arg) {
         sp_jobs *s = w->s;
         job *j = find_work(s, w);
         if (!j) {
-            if (w->id == 0 && atomic_load_explicit(&s->closing, memory_order_relaxed))
-                jobs_drain_check(s);
             worker_idle(s, w, NULL, 0);
             continue;
         }
@@ -683,7 +707,7 @@ SP_INLINE void wait_on_worker(sp_jobs *s, worker *w, sp_counter *c, int64_t targ
         wait_nested(s, w, me, c, target);
         return;
     }
-    if (!job_park(s, w, me, c, target, next, NULL)) w->spares[w->spare_count++] = next;
+    if (!job_park(s, w, me, c, target, next, NULL)) jobs_spare_put(s, w, next);
 }
 
 /* Block a thread that is not one of s's workers until c reaches target. */
