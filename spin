@@ -13,7 +13,9 @@ cd "$ROOT" || exit 1
 
 PACKAGES=(meson ninja-build pkg-config gcc g++ clang-14 libclang-rt-14-dev liburcu-dev
           libbenchmark-dev valgrind libjemalloc-dev libgoogle-perftools-dev libmimalloc-dev
-          gcc-aarch64-linux-gnu)
+          gcc-aarch64-linux-gnu liburcu-dev:arm64)
+# liburcu-dev:arm64 (for the aarch64 cross build) is a Debian multiarch package: the arm64
+# architecture is added to dpkg first if it is missing.
 
 # Build directories: compiler environment and meson options. Changing these lines makes the
 # next run re-create the directory (see setup_dir).
@@ -79,16 +81,21 @@ ensure_packages() {
         [[ $status == "install ok installed" ]] || missing+=("$p")
     done
     ((${#missing[@]} == 0)) && return 0
+    local add_arch=
+    if [[ " ${missing[*]}" == *:arm64* ]] && ! dpkg --print-foreign-architectures | grep -qx arm64; then
+        add_arch="dpkg --add-architecture arm64"
+    fi
 
     if ((EUID != 0)); then
         {
             say "spin: missing Debian packages: ${missing[*]}"
             say "spin: install them with:"
-            say "sudo apt-get update && sudo apt-get install -y ${missing[*]}"
+            say "${add_arch:+sudo $add_arch && }sudo apt-get update && sudo apt-get install -y ${missing[*]}"
         } >&2
         exit 1
     fi
     heading "installing missing packages: ${missing[*]}"
+    if [[ -n $add_arch ]]; then $add_arch || die "$add_arch failed"; fi
     apt-get update </dev/null || die "apt-get update failed"
     DEBIAN_FRONTEND=noninteractive apt-get install -y "${missing[@]}" </dev/null ||
         die "apt-get install failed"

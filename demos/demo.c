@@ -1,11 +1,14 @@
 /* spindle-demo: a stand-in until the flagship demo exists. It exercises what is built today:
- * a virtual-memory reservation (huge pages requested), one locked central TLSF heap on it,
- * and a few threads hammering the heap with malloc/free/realloc/aligned allocations.
+ * a virtual-memory reservation (huge pages requested), one locked central TLSF heap on it, and
+ * the job scheduler running "frames": each frame a batch of jobs (one per lane) churns the
+ * heap with malloc/free/realloc/aligned allocations, then a parallel_for checks every live
+ * block's contents.
  *
- * Prints the heap's status figures once a second and at the end; exits non-zero if a block's
- * contents were damaged, sp_tlsf_check finds a broken invariant, or any block is still live.
+ * Prints the heap's and the scheduler's figures once a second and at the end; exits non-zero
+ * if a block's contents were damaged, sp_tlsf_check finds a broken invariant, or any block is
+ * still live.
  *
- *   spindle-demo [SECONDS] [THREADS]     defaults: 1 second, 4 threads
+ *   spindle-demo [SECONDS] [LANES]     defaults: 1 second, 16 lanes
  */
 #include <inttypes.h>
 #include <stdatomic.h>
@@ -18,8 +21,9 @@
 #include "spindle.h"
 
 #define HEAP_BYTES ((size_t)32 << 20) /* a multiple of the 2 MiB huge page */
-#define MAX_THREADS 16
-#define SLOTS 512 /* live blocks per thread, at most */
+#define MAX_LANES 256
+#define SLOTS 512 /* live blocks per lane, at most */
+#define OPS_PER_JOB 256
 
 /* One live block: where, how many bytes the test asked for, and the byte it is filled with. */
 typedef struct slot {
@@ -28,13 +32,12 @@ typedef struct slot {
     uint8_t fill;
 } slot;
 
+/* A lane: the blocks one job of each frame works on. Frames run one after another and each
+ * lane has one job per frame, so a lane is never touched by two jobs at once. */
 typedef struct worker {
-    sp_thread thread;
     sp_tlsf *heap;
     uint64_t rng;
-    atomic_bool *stop;
     slot slots[SLOTS];
-    /* Results, read by main after the join. */
     uint64_t ops;
     uint64_t out_of_memory; /* NULL from a full heap: expected now and then, not an error */
     uint64_t damaged;       /* blocks whose contents changed while they were live */
@@ -110,24 +113,48 @@ static void slot_resize(worker *w, slot *s) {
     s->size = size;
 }
 
-static void *worker_main(void *arg) {
+/* One frame's job for a lane. */
+static void lane_churn(void *arg) {
     worker *w = arg;
-    while (!atomic_load_explicit(w->stop, memory_order_relaxed)) {
-        for (int i = 0; i < 64; i++) {
-            uint64_t r = rng_next(&w->rng);
-            slot *s = &w->slots[r % SLOTS];
-            if (!s->ptr)
-                slot_fill(w, s);
-            else if ((r >> 32) % 4 == 0)
-                slot_resize(w, s);
-            else
-                slot_release(w, s);
-            w->ops++;
-        }
+    for (int i = 0; i < OPS_PER_JOB; i++) {
+        uint64_t r = rng_next(&w->rng);
+        slot *s = &w->slots[r % SLOTS];
+        if (!s->ptr)
+            slot_fill(w, s);
+        else if ((r >> 32) % 4 == 0)
+            slot_resize(w, s);
+        else
+            slot_release(w, s);
+        w->ops++;
     }
+}
+
+/* The last frame's job for a lane: free everything. */
+static void lane_drain(void *arg) {
+    worker *w = arg;
     for (size_t i = 0; i < SLOTS; i++)
         if (w->slots[i].ptr) slot_release(w, &w->slots[i]);
-    return NULL;
+}
+
+/* parallel_for body: check the contents of lanes [begin, end). */
+static atomic_uint_fast64_t check_damaged;
+static void lanes_check(void *arg, uint64_t begin, uint64_t end) {
+    worker *lanes = arg;
+    for (uint64_t l = begin; l < end; l++)
+        for (size_t i = 0; i < SLOTS; i++) {
+            const slot *s = &lanes[l].slots[i];
+            if (s->ptr && !block_intact(s->ptr, s->size, s->fill))
+                atomic_fetch_add(&check_damaged, 1);
+        }
+}
+
+/* Submit one job per lane and wait for them. */
+static bool frame_run(sp_jobs *jobs, sp_counter *done, worker *lanes, int nlanes, sp_job_fn fn,
+                      sp_job_desc *descs) {
+    for (int i = 0; i < nlanes; i++)
+        descs[i] = (sp_job_desc){.fn = fn, .arg = &lanes[i], .name = "lane"};
+    if (sp_jobs_submit(jobs, descs, (uint32_t)nlanes, done) != SP_OK) return false;
+    return sp_counter_wait(done, 0) == SP_OK;
 }
 
 static const char *page_kind_name(sp_page_kind k) {
@@ -138,37 +165,33 @@ static const char *page_kind_name(sp_page_kind k) {
     }
 }
 
-static void status_print(sp_tlsf *heap, double seconds) {
+static void status_print(sp_tlsf *heap, sp_jobs *jobs, uint64_t frames, double seconds) {
     sp_tlsf_status st;
     sp_tlsf_status_get(heap, &st);
-    printf("%5.1f s  used %9zu B in %6zu blocks  free %9zu B in %5zu blocks  largest free %9zu B"
-           "  fragmentation %5.1f %%  high-water %9zu B\n",
-           seconds, st.bytes_used, st.live_blocks, st.bytes_free, st.free_blocks, st.largest_free,
-           100.0 * st.fragmentation, st.high_water);
+    sp_jobs_status js;
+    sp_jobs_status_get(jobs, &js);
+    printf("%5.1f s  frame %6" PRIu64 "  jobs %8" PRIu64 " (%" PRIu64 " stolen)  heap: used %9zu B"
+           " in %6zu blocks, free %9zu B in %5zu blocks, fragmentation %5.1f %%\n",
+           seconds, frames, js.jobs_run, js.jobs_stolen, st.bytes_used, st.live_blocks,
+           st.bytes_free, st.free_blocks, 100.0 * st.fragmentation);
     fflush(stdout);
-}
-
-/* Sleep until sp_time_ns() reaches `deadline` (futex timeouts may end early). */
-static void sleep_until(uint64_t deadline) {
-    uint32_t never = 0;
-    for (uint64_t now = sp_time_ns(); now < deadline; now = sp_time_ns())
-        sp_futex_wait(&never, 0, deadline - now);
 }
 
 int main(int argc, char **argv) {
     double seconds = argc > 1 ? atof(argv[1]) : 1.0;
-    int nthreads = argc > 2 ? atoi(argv[2]) : 4;
-    if (seconds <= 0 || seconds > 3600 || nthreads < 1 || nthreads > MAX_THREADS) {
-        fprintf(stderr, "usage: %s [SECONDS (0-3600]] [THREADS 1-%d]\n", argv[0], MAX_THREADS);
+    int nlanes = argc > 2 ? atoi(argv[2]) : 16;
+    if (seconds <= 0 || seconds > 3600 || nlanes < 1 || nlanes > MAX_LANES) {
+        fprintf(stderr, "usage: %s [SECONDS (0-3600]] [LANES 1-%d]\n", argv[0], MAX_LANES);
         return 2;
     }
 
     int status = 1;
     uint8_t *memory = NULL;
     sp_tlsf *heap = NULL;
-    worker *workers = NULL;
-    int started = 0;
-    atomic_bool stop = false;
+    worker *lanes = NULL;
+    sp_job_desc *descs = NULL;
+    sp_jobs *jobs = NULL;
+    sp_counter *done = NULL;
 
     sp_page_kind granted = SP_PAGES_NORMAL;
     memory = sp_vm_reserve(HEAP_BYTES, 0, true, &granted);
@@ -191,54 +214,61 @@ int main(int argc, char **argv) {
         fprintf(stderr, "sp_tlsf_create failed: %s\n", sp_result_name(err));
         goto out;
     }
-
-    workers = calloc((size_t)nthreads, sizeof *workers);
-    if (!workers) goto out;
-    printf("%d threads doing random malloc/free/realloc/aligned_alloc on one locked TLSF heap "
-           "for %.1f s (%" PRIu32 " CPUs)\n",
-           nthreads, seconds, sp_cpu_count());
-
-    uint64_t t0 = sp_time_ns();
-    for (int i = 0; i < nthreads; i++) {
-        workers[i].heap = heap;
-        workers[i].rng = 0x5eed0000u + (uint64_t)i;
-        workers[i].stop = &stop;
-        char name[16];
-        snprintf(name, sizeof name, "demo-worker-%d", i);
-        if (sp_thread_start(&workers[i].thread, worker_main, &workers[i], name) != SP_OK) {
-            fprintf(stderr, "sp_thread_start failed\n");
-            break;
-        }
-        started++;
+    err = sp_jobs_create(&jobs, NULL); /* defaults: one worker per core */
+    if (err != SP_OK) {
+        fprintf(stderr, "sp_jobs_create failed: %s\n", sp_result_name(err));
+        goto out;
+    }
+    done = sp_counter_create(jobs, "frame");
+    lanes = calloc((size_t)nlanes, sizeof *lanes);
+    descs = calloc((size_t)nlanes, sizeof *descs);
+    if (!done || !lanes || !descs) goto out;
+    sp_jobs_status js;
+    sp_jobs_status_get(jobs, &js);
+    printf("%d lanes of random malloc/free/realloc/aligned_alloc on one locked TLSF heap, one "
+           "job per lane per frame, for %.1f s (%" PRIu32 " CPUs, %u workers + the main "
+           "thread)\n",
+           nlanes, seconds, sp_cpu_count(), js.workers);
+    for (int i = 0; i < nlanes; i++) {
+        lanes[i].heap = heap;
+        lanes[i].rng = 0x5eed0000u + (uint64_t)i;
     }
 
-    /* Status once a second while the threads run, then stop them. */
+    /* Frames until the time is up: churn, then check every live block in parallel. */
+    uint64_t t0 = sp_time_ns(), frames = 0, damaged = 0;
     const uint64_t end = t0 + (uint64_t)(seconds * 1e9);
-    for (uint64_t next = t0 + 1000000000u; started == nthreads && next < end; next += 1000000000u) {
-        sleep_until(next);
-        status_print(heap, (double)(sp_time_ns() - t0) / 1e9);
+    bool ran = true;
+    for (uint64_t next = t0 + 1000000000u, now = t0; ran && now < end; now = sp_time_ns()) {
+        ran = frame_run(jobs, done, lanes, nlanes, lane_churn, descs) &&
+              sp_parallel_for(jobs, 0, (uint64_t)nlanes, 1, lanes_check, lanes) == SP_OK;
+        frames++;
+        if (now >= next) {
+            status_print(heap, jobs, frames, (double)(now - t0) / 1e9);
+            next += 1000000000u;
+        }
     }
-    if (started == nthreads) sleep_until(end);
-    status_print(heap, (double)(sp_time_ns() - t0) / 1e9);
-    atomic_store(&stop, true);
+    status_print(heap, jobs, frames, (double)(sp_time_ns() - t0) / 1e9);
+    ran = ran && frame_run(jobs, done, lanes, nlanes, lane_drain, descs);
 
-    uint64_t ops = 0, oom = 0, damaged = 0;
-    for (int i = 0; i < started; i++) {
-        sp_thread_join(workers[i].thread);
-        ops += workers[i].ops;
-        oom += workers[i].out_of_memory;
-        damaged += workers[i].damaged;
+    uint64_t ops = 0, oom = 0;
+    for (int i = 0; i < nlanes; i++) {
+        ops += lanes[i].ops;
+        oom += lanes[i].out_of_memory;
+        damaged += lanes[i].damaged;
     }
+    damaged += atomic_load(&check_damaged);
     double took = (double)(sp_time_ns() - t0) / 1e9;
-    printf("after join (every thread freed its blocks):\n");
-    status_print(heap, took);
-    printf("%" PRIu64 " operations in %.2f s, %" PRIu64 " refused for lack of memory\n", ops, took,
-           oom);
+    printf("after the last frame (every lane freed its blocks):\n");
+    status_print(heap, jobs, frames, took);
+    printf("%" PRIu64 " heap operations in %" PRIu64 " frames in %.2f s, %" PRIu64
+           " refused for lack of memory\n",
+           ops, frames, took, oom);
 
     sp_tlsf_status st;
     sp_tlsf_status_get(heap, &st);
     sp_result check = sp_tlsf_check(heap);
-    bool ok = started == nthreads;
+    bool ok = ran;
+    if (!ran) printf("FAIL: a frame could not be submitted or waited for\n");
     if (damaged) {
         printf("FAIL: %" PRIu64 " blocks were damaged or misaligned\n", damaged);
         ok = false;
@@ -261,8 +291,11 @@ int main(int argc, char **argv) {
     status = ok ? 0 : 1;
 
 out:
+    sp_counter_destroy(done);
+    sp_jobs_destroy(jobs);
     if (heap) sp_tlsf_destroy(heap);
-    free(workers);
+    free(descs);
+    free(lanes);
     if (memory) sp_vm_release(memory, HEAP_BYTES);
     return status;
 }

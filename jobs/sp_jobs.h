@@ -19,8 +19,20 @@
  * A thread belongs to at most one scheduler at a time.
  *
  * Counters count down. Submitting a batch of n jobs with a counter adds n to it and each job
- * subtracts 1 when it returns; sp_counter_sub signals by hand. A wait for `target` completes
- * once the value is <= target (usually 0). Counters can be reused for batch after batch.
+ * subtracts 1 once it has returned; sp_counter_sub signals by hand. A wait for `target`
+ * completes once the value is <= target (usually 0). Counters can be reused for batch after
+ * batch. A batch of jobs that share a priority and are not pinned runs as pieces that split
+ * lazily (a few records and steals per batch, not one per job); a piece takes its finished
+ * jobs off the counter when it ends or when one of its jobs waits, so the value may lag behind
+ * jobs that have returned while their piece still runs. Wait with sp_counter_wait, never by
+ * polling sp_counter_value in a job (a sibling the poll waits for may be queued behind it).
+ *
+ * Jobs wait for each other only through counters. A job that blocks its thread on something
+ * another job must do (a mutex, a condition variable, a spin on a flag) may deadlock.
+ *
+ * Where a resumed job runs: a parked job made ready by a job running on worker W runs next on
+ * W (it is not stolen: a handoff stays on a warm cache), as soon as W's current job ends or
+ * waits; made ready from elsewhere, it is queued like a new job.
  *
  * Concurrency:
  *   sp_jobs_submit, sp_jobs_submit_after, sp_parallel_for,
@@ -38,7 +50,9 @@
  * worker id, or a thread-cache pointer taken before the suspending call: read them again
  * after it (sp_jobs_worker_id is safe to call again; it is never hoisted across a suspension).
  * Compilers keep TLS addresses in callee-saved registers across calls, so this applies to
- * plain `_Thread_local` accesses in the job's own function.
+ * plain `_Thread_local` accesses in the job's own function. Exceptions: a pinned job always
+ * resumes on its own worker, and so does a job that was run on the main thread's own stack
+ * (only when every fiber is in use, see sp_counter_wait).
  */
 #ifndef SP_JOBS_H
 #define SP_JOBS_H
@@ -96,7 +110,10 @@ typedef struct sp_jobs_desc {
                              waits (deterministic order) */
     uint32_t fibers;      /* fiber pool size (default 128): bounds the jobs parked at once */
     size_t fiber_stack;   /* bytes per fiber stack (default 256 KiB; committed as touched) */
-    uint32_t max_jobs;    /* job records: jobs submitted and not yet finished (default 65536) */
+    uint32_t max_jobs;    /* job records in flight (default 65536): a job submitted alone,
+                             pinned or in a mixed-priority batch takes one until it returns;
+                             a batch of unpinned same-priority jobs takes one per piece it is
+                             split into; a parallel_for one per piece split off */
     uint32_t deque_size;  /* per worker and priority, a power of two (default 4096); more
                              spill into the injection queue */
     uint32_t spin_ns;     /* idle spin before a futex sleep (default 50000) */
@@ -107,8 +124,8 @@ typedef struct sp_jobs_desc {
 
 typedef struct sp_jobs_status {
     uint32_t workers;        /* background threads (not counting the main thread) */
-    uint64_t jobs_submitted; /* since create */
-    uint64_t jobs_run;       /* finished */
+    uint64_t jobs_submitted; /* since create; parallel_for pieces split off count as jobs */
+    uint64_t jobs_run;       /* finished (each with a job_begin and a job_end hook call) */
     uint64_t jobs_stolen;
     uint64_t parks;         /* waits that parked a fiber */
     uint32_t fibers_in_use; /* acquired from the pool (running, parked or cached by a worker) */
@@ -125,23 +142,28 @@ typedef struct sp_jobs_status {
 sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc);
 
 /* Run every pending job to completion (waiting, helping as the main thread), stop and join
- * the workers. Afterwards submits return SP_ERR_SHUTDOWN. Jobs that can never run (a batch
- * deferred on, or a fiber parked on, a counter nothing will reach once all else is done) are
- * reported with SP_ERR_STALLED and abandoned. Main thread only, outside jobs. A second call
- * does nothing and returns SP_ERR_SHUTDOWN. */
+ * the workers. Afterwards submits return SP_ERR_SHUTDOWN; sp_jobs_status_get still works
+ * until destroy. Jobs that can never run (a batch deferred on, or a fiber parked on, a counter
+ * nothing will reach once all else is done, 100 ms without progress) are reported one by one
+ * with SP_ERR_STALLED naming job and counter, and abandoned: shutdown then returns
+ * SP_ERR_STALLED instead of SP_OK. Threads blocked in sp_counter_wait outside the scheduler
+ * stay blocked. Main thread only, outside jobs (else misuse, SP_ERR_INVALID_ARG). A second
+ * call does nothing and returns SP_ERR_SHUTDOWN. */
 sp_result sp_jobs_shutdown(sp_jobs *s);
 
 /* Shut down if not done, then free everything; NULL is ignored. Main thread only. */
 void sp_jobs_destroy(sp_jobs *s);
 
-/* Submit `count` jobs. If `counter` is not NULL it is raised by count now and lowered by one
- * as each job returns. All-or-nothing: on error no job was submitted and the counter is
- * unchanged. Any thread, jobs included; never suspends. Cost (from a worker): a record from
- * the worker's cache and a deque push per job, one fence and at most `count` futex wakes for
- * sleeping workers; from other threads a wfcqueue enqueue per job. Errors: SP_ERR_SHUTDOWN
- * (after shutdown began, from a thread that is not running a job), SP_ERR_LIMIT (out of job
- * records, logged), SP_ERR_INVALID_ARG (misuse: NULL s, jobs with count > 0, NULL fn, a pinned
- * worker out of range). count 0 is SP_OK and does nothing. */
+/* Submit `count` jobs (the descs are copied; the array may be reused at once). If `counter`
+ * is not NULL it is raised by count now and lowered as the jobs return (see the top).
+ * All-or-nothing: on error no job was submitted and the counter is unchanged. Any thread,
+ * jobs included; never suspends. Cost: jobs sharing a priority and not pinned: one malloc'd
+ * copy of the descs and one record, pushed once (a worker's deque; other threads: the
+ * wfcqueue); otherwise a record and a push per job. Then one fence, and a futex wake per
+ * sleeping worker needed. Errors: SP_ERR_SHUTDOWN (after shutdown began, from a thread that
+ * is not running a job), SP_ERR_LIMIT (out of job records, logged), SP_ERR_NOMEM (the copy,
+ * logged), SP_ERR_INVALID_ARG (misuse: NULL s, jobs with count > 0, NULL fn, a pinned worker
+ * out of range). count 0 is SP_OK and does nothing. */
 sp_result sp_jobs_submit(sp_jobs *s, const sp_job_desc *jobs, uint32_t count, sp_counter *counter);
 
 /* As sp_jobs_submit, but the jobs start only once `after` reaches `after_target` (at once if
@@ -154,8 +176,10 @@ sp_result sp_jobs_submit_after(sp_jobs *s, sp_counter *after, int64_t after_targ
  * when all are done. Splitting is adaptive (lazy binary splitting): a piece splits off half of
  * its remaining range only while no split-off work is waiting to be stolen, never below
  * `grain` elements (0 = automatic). May suspend the caller (see sp_counter_wait); nests inside
- * jobs and inside other parallel_for calls. Errors as sp_jobs_submit; with SP_ERR_LIMIT the
- * part not yet split off runs on the caller. */
+ * jobs and inside other parallel_for calls. begin >= end is an empty range (SP_OK, no call).
+ * Out of job records, the caller runs what it cannot split off: the range is always covered.
+ * Returns SP_OK; SP_ERR_SHUTDOWN (after shutdown began, outside jobs), SP_ERR_NOMEM (no
+ * counter), SP_ERR_INVALID_ARG (misuse: NULL s or fn). */
 typedef void (*sp_range_fn)(void *arg, uint64_t begin, uint64_t end);
 sp_result sp_parallel_for(sp_jobs *s, uint64_t begin, uint64_t end, uint64_t grain, sp_range_fn fn,
                           void *arg);
@@ -172,15 +196,19 @@ void sp_jobs_status_get(sp_jobs *s, sp_jobs_status *out);
  * Any thread. Returns NULL when out of memory or after shutdown. */
 sp_counter *sp_counter_create(sp_jobs *s, const char *name);
 
-/* Free a counter. Misuse, reported and ignored (counter kept): jobs or waits still using it.
- * NULL is ignored. */
+/* Free a counter (its memory is recycled; sp_jobs_destroy frees it). Misuse, reported and
+ * ignored (counter kept): a wait or a deferred batch on it, or a value above 0 before
+ * shutdown (jobs may still lower it) (SP_ERR_INVALID_ARG); destroyed twice
+ * (SP_ERR_DOUBLE_FREE). After shutdown any counter without waiters may be destroyed. NULL is
+ * ignored. */
 void sp_counter_destroy(sp_counter *c);
 
 /* Raise by n (work the caller will signal later). Any thread, never suspends. */
 void sp_counter_add(sp_counter *c, int64_t n);
 
 /* Lower by n and resume the waits and start the deferred batches this satisfies. Any thread,
- * never suspends. Cost: one atomic; a lock when something waits at the new value. */
+ * never suspends. Cost: one atomic; when something waits, an exchange that takes the wait
+ * list and a push for each waiter not yet satisfied. */
 void sp_counter_sub(sp_counter *c, int64_t n);
 
 /* The current value (a snapshot). Any thread. */
@@ -191,7 +219,9 @@ int64_t sp_counter_value(const sp_counter *c);
  * If every fiber is in use the wait instead runs other jobs on the waiting job's own stack
  * until the counter is reached (logged once per scheduler, counted in fiber_exhaustions).
  * On the main thread outside jobs: runs jobs until the counter is reached, then sleeps on a
- * futex. On other threads: sleeps on a futex. Returns SP_OK, or SP_ERR_INVALID_ARG (NULL).
+ * futex. On other threads: sleeps on a futex. Returns SP_OK; misuse: SP_ERR_INVALID_ARG
+ * (NULL), SP_ERR_SHUTDOWN (the counter is not reached and the scheduler is shut down: nothing
+ * can reach it any more).
  * Debug builds: a wait that nothing can complete (no job running or runnable, no progress for
  * watchdog_ms) is reported with SP_ERR_STALLED naming the counter; the wait goes on. */
 sp_result sp_counter_wait(sp_counter *c, int64_t target);

@@ -17,6 +17,8 @@
 #define SP_NOINLINE __attribute__((noinline))
 #define SP_COLD __attribute__((cold, noinline))
 #define SP_INLINE static inline __attribute__((always_inline))
+/* Shared between files of one module, not exported from libspindle.so. */
+#define SP_HIDDEN __attribute__((visibility("hidden")))
 #define SP_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
 
 static inline int sp_is_pow2(size_t x) {

@@ -1,0 +1,167 @@
+/* Counters and their wait lists (see sp_jobs.h for the contract, sched.c's top for the
+ * hand-over with parking fibers). Wait lists are lock-free stacks: a waiter pushes itself, then
+ * reads the value again; a decrement that finds waiters takes the whole list, fires the ones it
+ * satisfies and pushes the rest back (then looks again, for decrements that found the list
+ * empty meanwhile). Counters need no lock, and a handoff (a job signals a counter another job
+ * waits on, then parks) costs three atomic read-modify-writes: the decrement, taking the list,
+ * and the parked job's push.
+ */
+#include "jobs_internal.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- wait lists -------------------------------------------------------------------------- */
+
+static void waiter_fire(sp_jobs *s, waiter *wt) {
+    worker *w = jobs_current_worker();
+    if (w && w->s != s) w = NULL;
+    switch (wt->kind) {
+    case WAIT_FIBER:
+        jobs_job_ready(s, w, wt->job); /* wt dies with the parked frame once the job runs */
+        break;
+    case WAIT_BATCH: {
+        job *first = wt->job;
+        uint32_t n = wt->count;
+        atomic_fetch_sub(&s->deferred, n);
+        jobs_chain_push(s, w, first, n);
+        break;
+    }
+    case WAIT_FLAG: {
+        _Atomic uint32_t *flag = wt->flag; /* wt dies once the flag is seen */
+        atomic_store(flag, 1);
+        sp_futex_wake((uint32_t *)flag, 1);
+        break;
+    }
+    }
+}
+
+/* Something may wait for the value c has now: take the whole list, fire the waiters it
+ * satisfies, push the others back, and look again if the value moved past one of those
+ * meanwhile (a decrement that found the list empty while we held it woke no one). */
+SP_NOINLINE void jobs_counter_wake(sp_counter *c) {
+    waiter *ready = NULL;
+    for (;;) {
+        waiter *list = atomic_exchange(&c->waiters, NULL);
+        if (!list) break;
+        int64_t v = atomic_load(&c->value), keep_max = INT64_MIN;
+        waiter *keep = NULL, *keep_tail = NULL;
+        for (waiter *wt = list, *next; wt; wt = next) {
+            next = wt->next;
+            if (v <= wt->target) {
+                wt->next = ready;
+                ready = wt;
+            } else {
+                wt->next = keep;
+                keep = wt;
+                if (!keep_tail) keep_tail = wt;
+                if (wt->target > keep_max) keep_max = wt->target;
+            }
+        }
+        if (!keep) break;
+        waiter *head = atomic_load_explicit(&c->waiters, memory_order_relaxed);
+        do {
+            keep_tail->next = head;
+        } while (!atomic_compare_exchange_weak(&c->waiters, &head, keep));
+        if (atomic_load(&c->value) > keep_max) break;
+    }
+    while (ready) {
+        waiter *wt = ready;
+        ready = wt->next;
+        waiter_fire(c->s, wt);
+    }
+}
+
+/* Put wt on c's wait list, then read the value again: a decrement that came in between found
+ * no waiter (both sides are seq_cst: one sees the other). */
+void jobs_waiter_publish(sp_counter *c, waiter *wt) {
+    waiter *head = atomic_load_explicit(&c->waiters, memory_order_relaxed);
+    do {
+        wt->next = head;
+    } while (!atomic_compare_exchange_weak(&c->waiters, &head, wt));
+    if (counter_reached(c, wt->target)) jobs_counter_wake(c);
+}
+
+/* ---- counters, public ------------------------------------------------------------------ */
+
+sp_counter *sp_counter_create(sp_jobs *s, const char *name) {
+    if (SP_UNLIKELY(!s)) {
+        sp_misuse(SP_ERR_INVALID_ARG, "sp_counter_create", NULL, "NULL scheduler");
+        return NULL;
+    }
+    if (atomic_load(&s->stopped)) return NULL;
+    sp_mutex_lock(&s->counter_lock);
+    if (!s->counter_free) {
+        sp_counter *chunk = aligned_alloc(64, COUNTER_CHUNK * sizeof(sp_counter));
+        void **chunks = realloc(s->counter_chunks, (s->counter_chunk_count + 1) * sizeof(void *));
+        if (!chunk || !chunks) {
+            free(chunk);
+            if (chunks) s->counter_chunks = chunks;
+            sp_mutex_unlock(&s->counter_lock);
+            sp_log(SP_LOG_WARN, SP_ERR_NOMEM, "sp_counter_create", NULL, "no memory for counters");
+            return NULL;
+        }
+        s->counter_chunks = chunks;
+        s->counter_chunks[s->counter_chunk_count++] = chunk;
+        memset(chunk, 0, COUNTER_CHUNK * sizeof(sp_counter));
+        for (int i = COUNTER_CHUNK; i-- > 0;) {
+            chunk[i].s = s;
+            chunk[i].next_free = s->counter_free;
+            s->counter_free = &chunk[i];
+        }
+    }
+    sp_counter *c = s->counter_free;
+    s->counter_free = c->next_free;
+    c->name = name;
+    c->live = true;
+    c->wd_still = 0;
+    c->wd_reported = false;
+    sp_mutex_unlock(&s->counter_lock);
+    return c;
+}
+
+void sp_counter_destroy(sp_counter *c) {
+    if (!c) return;
+    sp_jobs *s = c->s;
+    bool waited = atomic_load(&c->waiters) != NULL;
+    int64_t v = atomic_load(&c->value);
+    /* A positive value may still be lowered by a job that holds the counter. After shutdown no
+     * job runs: what is left was abandoned. */
+    if (SP_UNLIKELY(waited || (v > 0 && !atomic_load(&s->stopped)))) {
+        sp_misuse(SP_ERR_INVALID_ARG, "sp_counter_destroy", c,
+                  "counter '%s' is still in use (value %lld%s): not destroyed",
+                  c->name ? c->name : "(unnamed)", (long long)v, waited ? ", waited on" : "");
+        return;
+    }
+    sp_mutex_lock(&s->counter_lock);
+    if (SP_UNLIKELY(!c->live)) {
+        sp_mutex_unlock(&s->counter_lock);
+        sp_misuse(SP_ERR_DOUBLE_FREE, "sp_counter_destroy", c, "counter already destroyed");
+        return;
+    }
+    c->live = false;
+    atomic_store(&c->value, 0);
+    c->next_free = s->counter_free;
+    s->counter_free = c;
+    sp_mutex_unlock(&s->counter_lock);
+}
+
+void sp_counter_add(sp_counter *c, int64_t n) {
+    if (SP_UNLIKELY(!c)) {
+        sp_misuse(SP_ERR_INVALID_ARG, "sp_counter_add", NULL, "NULL counter");
+        return;
+    }
+    atomic_fetch_add(&c->value, n);
+}
+
+void sp_counter_sub(sp_counter *c, int64_t n) {
+    if (SP_UNLIKELY(!c)) {
+        sp_misuse(SP_ERR_INVALID_ARG, "sp_counter_sub", NULL, "NULL counter");
+        return;
+    }
+    counter_lower(c, n);
+}
+
+int64_t sp_counter_value(const sp_counter *c) {
+    return c ? atomic_load(&c->value) : 0;
+}

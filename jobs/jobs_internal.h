@@ -1,0 +1,241 @@
+/* Internal to jobs/: the scheduler's data structures and the calls its files share. Never
+ * included outside jobs/. How the parts fit together: jobs/README.md and the top of sched.c.
+ *
+ *   sched.c    workers' loop, queues, idle and wake-up, job records, parking and resuming
+ *   counter.c  counters and their wait lists
+ *   submit.c   sp_jobs_submit, sp_jobs_submit_after, sp_parallel_for
+ *   jobs.c     create, shutdown (drain), destroy, status, the debug watchdog
+ */
+#ifndef SP_JOBS_INTERNAL_H
+#define SP_JOBS_INTERNAL_H
+
+#include <stdalign.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <urcu/wfcqueue.h>
+
+#include "deque.h"
+#include "fiber.h"
+#include "sp_internal.h"
+#include "sp_jobs.h"
+#include "sp_platform.h"
+
+enum { RANK_HIGH = 0, RANK_NORMAL = 1, RANK_LOW = 2, RANKS = 3 };
+enum { MAX_WORKERS = 64 };      /* main thread + 63: the idle set is one 64-bit mask */
+enum { RECORD_BATCH = 64 };     /* records moved between a worker cache and the pool, at most */
+enum { HIDDEN_PATIENCE = 256 }; /* looks (a few us) for work a running piece will split off */
+enum { SPARES_LOCAL = 4 };      /* spare loop fibers a worker keeps for itself */
+enum { COUNTER_CHUNK = 64 };    /* counters allocated together (never freed before destroy) */
+#define NO_PIN UINT32_MAX
+
+typedef struct job job;
+typedef struct worker worker;
+typedef struct pfor pfor;
+
+/* Something waiting on a counter. FIBER: a parked job (the node lives on its fiber's stack).
+ * BATCH: a deferred batch (the node lives in its first record). FLAG: a thread that is not a
+ * worker, blocked on a word (on its stack). A node is on a wait list until it is fired, and
+ * dies as soon as it is: the firer reads what it needs first. */
+enum waiter_kind { WAIT_FIBER, WAIT_BATCH, WAIT_FLAG };
+typedef struct waiter {
+    struct waiter *next;
+    int64_t target;
+    uint32_t kind;
+    uint32_t count;         /* BATCH: records in the chain */
+    job *job;               /* FIBER: the parked job; BATCH: the chain's first record */
+    _Atomic uint32_t *flag; /* FLAG: set to 1 (and futex-woken) when the counter is reached */
+} waiter;
+
+/* What a record runs. A batch of jobs that share a priority and are not pinned is submitted
+ * as one piece over a copy of their descs; pieces split lazily as workers go hungry (the same
+ * lazy binary splitting as parallel_for), so a batch of N costs a few records and steals, not
+ * N. Pinned or mixed-priority batches get a record per job. */
+enum job_kind {
+    JOB_SINGLE, /* fn(arg) */
+    JOB_BATCH,  /* jobs [begin, end) of `batch` */
+    JOB_PFOR,   /* pf->fn over [begin, end) */
+    JOB_THREAD, /* a worker thread's own stack (worker.thread_job) */
+};
+
+typedef struct batch_job {
+    sp_job_fn fn;
+    void *arg;
+    const char *name;
+} batch_job;
+
+typedef struct batch {
+    _Atomic uint32_t pieces; /* live pieces; the piece that drops it to 0 frees the batch */
+    batch_job jobs[];
+} batch;
+
+/* A job record. Owned by the submitter until pushed, by the queue while queued, by the worker
+ * running it until it returns; while parked, by the counter's wait list. */
+struct job {
+    struct cds_wfcq_node qnode; /* injection and pinned queues */
+    _Atomic uint32_t queued;    /* release-stored before a wfcqueue push, acquire-loaded after
+                                   the pop: liburcu 0.13's own ordering is invisible to TSan */
+    job *next;                  /* record free lists; a deferred chain of single jobs */
+    sp_job_fn fn;               /* JOB_SINGLE */
+    void *arg;
+    const char *name;
+    sp_counter *counter; /* JOB_SINGLE, JOB_BATCH: lowered per job run; JOB_PFOR: per piece */
+    sp_fiber *fiber;     /* parked: the fiber to resume; NULL: not started yet */
+    batch *batch;        /* JOB_BATCH */
+    pfor *pf;            /* JOB_PFOR */
+    uint64_t begin, end; /* pieces: what is left to run (begin moves before each step) */
+    uint64_t completed;  /* JOB_BATCH: jobs run, not yet taken off the counter */
+    uint32_t resume_pin; /* worker it must run on, or NO_PIN */
+    uint8_t rank;
+    uint8_t kind;
+    bool hiding;  /* a running piece holding jobs beyond its current step (sp_jobs.hidden) */
+    waiter defer; /* first record of a deferred submit: its wait-list node */
+};
+
+struct sp_counter {
+    alignas(64) _Atomic int64_t value; /* a line of its own: counters are hot and shared */
+    _Atomic(waiter *) waiters;         /* lock-free stack (see the top of the file) */
+    sp_jobs *s;
+    const char *name;
+    sp_counter *next_free; /* the scheduler's free list (under s->counter_lock) */
+    bool live;             /* created and not destroyed (under s->counter_lock) */
+    /* watchdog (its thread only) */
+    int64_t wd_value;
+    uint32_t wd_still; /* consecutive ticks without progress while waited on */
+    bool wd_reported;
+};
+_Static_assert(sizeof(sp_counter) == 64, "a counter takes one cache line");
+
+/* A queue that any thread pushes to: wfcqueue plus a size for cheap emptiness checks. */
+typedef struct mpsc {
+    struct __cds_wfcq_head head;
+    struct cds_wfcq_tail tail;
+    _Atomic uint32_t size;
+    sp_mutex pop_lock; /* taken by consumers of multi-consumer queues (injection) */
+} mpsc;
+
+struct worker {
+    sp_jobs *s;
+    uint32_t id;
+    uint64_t rng;
+    sp_deque *deque[RANKS];
+    sp_fiber *thread_fiber;
+    sp_fiber *current_fiber; /* the fiber running on this worker's thread now */
+    job *current_job;        /* the job running now, NULL in the loop */
+    waiter *pending_park;    /* after_switch: publish on pending_counter's wait list */
+    sp_counter *pending_counter;
+    sp_fiber *pending_spare; /* after_switch: becomes a spare */
+    job *next_job;           /* resumed by this worker's jobs: runs next (owner only) */
+    job *local_head[RANKS];  /* pinned to this worker by itself (owner only, FIFO) */
+    job *local_tail[RANKS];
+    sp_fiber *spares[SPARES_LOCAL]; /* loop fibers suspended in their loop (owner only);
+                                       more go to the scheduler's list (sp_jobs.spares) */
+    uint32_t spare_count;
+    job *free_jobs; /* record cache (owner only) */
+    uint32_t free_count;
+    job thread_job; /* this thread's own stack, when parked (see the top of the file) */
+    sp_thread thread;
+    /* Shared with other threads. */
+    alignas(64) mpsc pinned[RANKS];
+    alignas(64) _Atomic uint32_t sleep; /* 1: asleep or about to be; stored 0 to wake */
+    _Atomic uint32_t busy;              /* 0 while idle (watchdog) */
+    /* Statistics: written by the owner only (release stores), read by anyone. `taken` and
+     * `returned` count job records (shutdown's drain); `submitted` and `done` count jobs. */
+    _Atomic uint64_t taken, returned, submitted, done, stolen, parks, resumes, sleeps, exhaustions;
+};
+
+struct pfor {
+    sp_range_fn fn;
+    void *arg;
+    uint64_t grain;
+};
+
+struct sp_jobs {
+    sp_jobs_desc desc; /* with defaults filled in */
+    uint32_t nworkers; /* background workers; worker 0 is the main thread */
+    worker *workers;   /* [0, nworkers] */
+    sp_fiber_pool *pool;
+    sp_mutex spare_lock; /* spares, spare_count: loop fibers no worker keeps */
+    sp_fiber **spares;
+    _Atomic uint32_t spare_count; /* changed under spare_lock; peeked without it */
+    mpsc inject[RANKS];
+    _Atomic uint64_t idle_mask;                /* bit i: worker i is asleep or about to sleep */
+    _Atomic uint32_t hidden[RANKS];            /* running pieces that hold more jobs of each rank */
+    _Atomic uint32_t spinning;                 /* workers spinning for work */
+    _Atomic uint32_t closing;                  /* shutdown began: outside submits are refused */
+    _Atomic uint32_t stopped;                  /* shutdown finished */
+    _Atomic uint64_t ext_taken, ext_submitted; /* records and jobs of non-worker threads */
+    _Atomic int64_t deferred;                  /* records of batches waiting to start */
+    _Atomic uint32_t exhaustion_logged;
+    sp_counter *drain; /* the main thread waits on it during shutdown */
+    _Atomic uint32_t drained;
+    uint64_t drain_last_done, drain_still_since; /* main thread only */
+    bool abandoned; /* shutdown gave up on jobs that could never run (main thread only) */
+    /* job records */
+    job *records;
+    sp_mutex record_lock;
+    job *record_free;
+    uint32_t record_free_count;
+    uint32_t record_batch;           /* worker caches move records in batches of this */
+    _Atomic uint32_t records_wanted; /* takers short of records: workers, flush your caches */
+    /* counters */
+    sp_mutex counter_lock;
+    sp_counter *counter_free;
+    void **counter_chunks;
+    size_t counter_chunk_count;
+    /* watchdog */
+    sp_thread watchdog;
+    bool watchdog_started;
+    _Atomic uint32_t watchdog_stop;
+};
+
+/* ---- shared calls ---------------------------------------------------------------------- */
+
+/* The calling thread's worker, or NULL. Not inlined and not pure: the compiler must call it
+ * again after every switch, since a fiber may have moved to another thread (migration rule,
+ * sp_jobs.h). */
+SP_HIDDEN SP_NOINLINE worker *jobs_current_worker(void);
+/* Make w the calling thread's worker (NULL: none). */
+SP_HIDDEN void jobs_set_current_worker(worker *w);
+
+static inline void stat_add(_Atomic uint64_t *x, uint64_t n) { /* owner-only statistic */
+    atomic_store_explicit(x, atomic_load_explicit(x, memory_order_relaxed) + n,
+                          memory_order_release);
+}
+#define stat_inc(x) stat_add((x), 1)
+
+static inline bool deque_nonempty(sp_deque *d) {
+    return (ptrdiff_t)(atomic_load(&d->bottom) - atomic_load(&d->top)) > 0;
+}
+
+/* sched.c */
+SP_HIDDEN void jobs_mpsc_init(mpsc *q);
+SP_HIDDEN job *jobs_records_take(sp_jobs *s, worker *w, uint32_t n);
+SP_HIDDEN void jobs_chain_push(sp_jobs *s, worker *w, job *chain, uint32_t n);
+SP_HIDDEN void jobs_job_ready(sp_jobs *s, worker *w, job *j);
+SP_HIDDEN bool jobs_wake_if_idle(sp_jobs *s, uint32_t i);
+SP_HIDDEN void jobs_switch_to(worker *w, sp_fiber *to);
+SP_HIDDEN void jobs_spare_put(sp_jobs *s, worker *w, sp_fiber *f);
+SP_HIDDEN void jobs_loop_main(sp_fiber *self, void *arg);
+SP_HIDDEN void jobs_piece_run(sp_jobs *s, job *j);
+SP_HIDDEN void jobs_piece_hide(sp_jobs *s, job *j, bool hides);
+/* counter.c */
+SP_HIDDEN SP_NOINLINE void jobs_counter_wake(sp_counter *c);
+SP_HIDDEN void jobs_waiter_publish(sp_counter *c, waiter *wt);
+/* jobs.c */
+SP_HIDDEN void jobs_drain_check(sp_jobs *s);
+
+static inline bool counter_reached(const sp_counter *c, int64_t target) {
+    return atomic_load(&c->value) <= target;
+}
+
+/* Counters are never freed before the scheduler (sp_counter_destroy recycles them), so a
+ * decrementer that looks at the list after the last waiter has returned and destroyed the
+ * counter reads valid memory; at worst it rescans a recycled counter's list for nothing. */
+static inline void counter_lower(sp_counter *c, int64_t n) {
+    atomic_fetch_sub(&c->value, n);
+    if (SP_UNLIKELY(atomic_load(&c->waiters) != NULL)) jobs_counter_wake(c);
+}
+
+#endif

@@ -1,0 +1,61 @@
+/* Negative control for ThreadSanitizer through the scheduler's fiber switches: two jobs, pinned
+ * to different workers, each park and resume once (a fiber switch, maybe a migration), meet
+ * through relaxed atomics (no happens-before for TSan) and then write the same plain int.
+ * Built only with -Db_sanitize=thread and registered with should_fail: TSan must report the race
+ * (halt_on_error=1 makes it exit non-zero). Every other way out exits 0 (a crash, a hang caught
+ * by an alarm, the scheduler failing to start), so that only a TSan report passes. */
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <unistd.h>
+
+#include "sp_jobs.h"
+#include "sp_platform.h"
+
+static sp_jobs *S;
+static int shared_plain; /* the race */
+static atomic_int arrived;
+
+static void no_report(int sig) {
+    static const char msg[] = "jobs_race_control: ended without a TSan report\n";
+    (void)sig;
+    (void)!write(STDERR_FILENO, msg, sizeof msg - 1);
+    _exit(0);
+}
+
+static void child_fn(void *arg) {
+    (void)arg;
+}
+
+static void racer(void *arg) {
+    /* Park once on a child, so the write below runs on a fiber that has been switched. */
+    sp_counter *c = sp_counter_create(S, "race child");
+    sp_job_desc d = {.fn = child_fn, .name = "race child"};
+    if (!c || sp_jobs_submit(S, &d, 1, c) != SP_OK) no_report(0);
+    sp_counter_wait(c, 0);
+    sp_counter_destroy(c);
+    atomic_fetch_add_explicit(&arrived, 1, memory_order_relaxed);
+    while (atomic_load_explicit(&arrived, memory_order_relaxed) < 2) sp_thread_yield();
+    shared_plain = (int)(uintptr_t)arg; /* both jobs, no synchronisation */
+}
+
+int main(void) {
+    signal(SIGSEGV, no_report);
+    signal(SIGBUS, no_report);
+    signal(SIGABRT, no_report);
+    signal(SIGALRM, no_report);
+    alarm(60);
+    sp_jobs_desc desc = {.workers = 2};
+    if (sp_jobs_create(&S, &desc) != SP_OK) no_report(0);
+    sp_counter *done = sp_counter_create(S, "racers");
+    sp_job_desc d[2] = {
+        {.fn = racer, .arg = (void *)1, .name = "racer", .pinned = true, .worker = 1},
+        {.fn = racer, .arg = (void *)2, .name = "racer", .pinned = true, .worker = 2}};
+    if (!done || sp_jobs_submit(S, d, 2, done) != SP_OK) no_report(0);
+    sp_counter_wait(done, 0);
+    sp_counter_destroy(done);
+    sp_jobs_shutdown(S);
+    sp_jobs_destroy(S);
+    printf("shared_plain = %d\n", shared_plain);
+    no_report(0);
+}

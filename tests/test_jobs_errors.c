@@ -1,0 +1,440 @@
+/* The scheduler's failure paths (jobs/sp_jobs.h), in-process with misuse non-fatal (release
+ * behaviour): bad arguments to create, submit, submit_after, parallel_for and wait are
+ * reported through the logger with SP_ERR_INVALID_ARG and change nothing (all-or-nothing:
+ * the counter and the status figures are untouched, no job of the batch runs); a second
+ * scheduler on one thread is refused with SP_ERR_LIMIT while other threads may have their own;
+ * running out of job records gives SP_ERR_LIMIT, all-or-nothing, and the records come back;
+ * destroying a counter still in use is refused; shutdown abandons, and reports, work that can
+ * never run. Swept over the inline mode and 2 workers. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "jobs_support.h"
+
+static sp_jobs *S;
+static const jt_config *CFG;
+
+static const char *cfg(void) {
+    return CFG->name;
+}
+
+static atomic_int runs;
+
+static void run_fn(void *arg) {
+    (void)arg;
+    atomic_fetch_add(&runs, 1);
+}
+
+static sp_counter *counter(const char *name) {
+    sp_counter *c = sp_counter_create(S, name);
+    if (!c) {
+        ok(0, "%s: sp_counter_create(%s)", cfg(), name);
+        exit(1);
+    }
+    return c;
+}
+
+static sp_jobs_desc desc_for(const jt_config *c) {
+    return (sp_jobs_desc){.workers = c->workers, .no_workers = c->no_workers};
+}
+
+/* A refused call: returned `want`, logged it once from `call`, and changed nothing. */
+static bool refused(sp_result got, sp_result want, const char *call, int logged_before,
+                    const sp_jobs_status *before, sp_counter *c, int64_t value_before) {
+    sp_jobs_status now;
+    sp_jobs_status_get(S, &now);
+    bool logged = jt_log_total() == logged_before + 1 && jt_log_has(want, call, NULL);
+    bool same =
+        now.jobs_submitted == before->jobs_submitted && (!c || sp_counter_value(c) == value_before);
+    if (got != want || !logged || !same) {
+        diag("  got %s want %s; logged %d new record(s); submitted %llu -> %llu",
+             sp_result_name(got), sp_result_name(want), jt_log_total() - logged_before,
+             (unsigned long long)before->jobs_submitted, (unsigned long long)now.jobs_submitted);
+        jt_log_diag();
+    }
+    return got == want && logged && same;
+}
+
+/* ---- create ---------------------------------------------------------------------------- */
+
+typedef struct other {
+    sp_result create_rc, submit_rc, wait_rc, shutdown_rc;
+    uint32_t id_in_job;
+    int ran;
+} other;
+
+static void other_job(void *arg) {
+    other *o = arg;
+    o->id_in_job = sp_jobs_worker_id();
+    o->ran++;
+}
+
+/* A second thread runs a scheduler of its own while the main thread has one. */
+static void *other_thread(void *arg) {
+    other *o = arg;
+    sp_jobs *mine = NULL;
+    sp_jobs_desc d = {.no_workers = true};
+    o->create_rc = sp_jobs_create(&mine, &d);
+    if (o->create_rc != SP_OK) return NULL;
+    sp_counter *c = sp_counter_create(mine, "other");
+    sp_job_desc j = jt_job(other_job, o, "other");
+    o->submit_rc = c ? sp_jobs_submit(mine, &j, 1, c) : SP_ERR_NOMEM;
+    o->wait_rc = c ? sp_counter_wait(c, 0) : SP_ERR_NOMEM;
+    sp_counter_destroy(c);
+    o->shutdown_rc = sp_jobs_shutdown(mine);
+    sp_jobs_destroy(mine);
+    return NULL;
+}
+
+static void test_create(void) {
+    sp_jobs_desc d = {.no_workers = true};
+    jt_log_reset();
+    ok(sp_jobs_create(NULL, &d) == SP_ERR_INVALID_ARG && jt_log_count(SP_ERR_INVALID_ARG, -1) == 1,
+       "sp_jobs_create(NULL out): SP_ERR_INVALID_ARG, logged");
+    sp_jobs *s = NULL;
+    d.deque_size = 100;
+    jt_log_reset();
+    sp_result rc = sp_jobs_create(&s, &d);
+    ok(rc == SP_ERR_INVALID_ARG && jt_log_count(SP_ERR_INVALID_ARG, -1) == 1,
+       "deque_size 100 (not a power of two): SP_ERR_INVALID_ARG, logged (%s)", sp_result_name(rc));
+    if (rc == SP_OK) sp_jobs_destroy(s);
+
+    d.deque_size = 0;
+    rc = sp_jobs_create(&S, &d);
+    ok(rc == SP_OK, "a scheduler on the main thread");
+    if (rc != SP_OK) return;
+    sp_jobs *second = NULL;
+    jt_log_reset();
+    rc = sp_jobs_create(&second, &d);
+    ok(rc == SP_ERR_LIMIT, "a second scheduler on the same thread: SP_ERR_LIMIT (%s)",
+       sp_result_name(rc));
+    if (rc == SP_OK) sp_jobs_destroy(second);
+
+    static other o;
+    sp_thread t;
+    bool started = sp_thread_start(&t, other_thread, &o, "jt-other") == SP_OK;
+    if (started) sp_thread_join(t);
+    ok(started && o.create_rc == SP_OK && o.submit_rc == SP_OK && o.wait_rc == SP_OK &&
+           o.shutdown_rc == SP_OK && o.ran == 1 && o.id_in_job == 0,
+       "another thread runs a scheduler of its own meanwhile (its job saw worker id %u)",
+       o.id_in_job);
+    ok(sp_jobs_shutdown(S) == SP_OK, "shut down the first");
+    sp_jobs_destroy(S);
+    S = NULL;
+    rc = sp_jobs_create(&S, &d);
+    ok(rc == SP_OK, "after destroy, the main thread may create a scheduler again (%s)",
+       sp_result_name(rc));
+    if (rc == SP_OK) {
+        sp_jobs_shutdown(S);
+        sp_jobs_destroy(S);
+        S = NULL;
+    }
+}
+
+/* ---- misuse ---------------------------------------------------------------------------- */
+
+typedef struct in_job {
+    sp_result rc;
+} in_job;
+
+static void misuse_in_job(void *arg) {
+    in_job *ij = arg;
+    sp_job_desc bad = {.fn = NULL};
+    ij->rc = sp_jobs_submit(S, &bad, 1, NULL);
+}
+
+static void test_misuse(const jt_config *c) {
+    CFG = c;
+    sp_jobs_desc desc = desc_for(c);
+    if (sp_jobs_create(&S, &desc) != SP_OK) {
+        ok(0, "%s: create", cfg());
+        return;
+    }
+    atomic_store(&runs, 0);
+    sp_counter *ctr = counter("misuse");
+    sp_jobs_status st;
+    sp_jobs_status_get(S, &st);
+    int lb;
+
+    sp_job_desc three[3] = {
+        jt_job(run_fn, NULL, "good"), {.fn = NULL, .name = "no fn"}, jt_job(run_fn, NULL, "good")};
+    lb = jt_log_total();
+    ok(refused(sp_jobs_submit(S, three, 3, ctr), SP_ERR_INVALID_ARG, "sp_jobs_submit", lb, &st, ctr,
+               0),
+       "%s: a batch with a NULL fn: SP_ERR_INVALID_ARG, logged, counter and status unchanged",
+       cfg());
+
+    sp_job_desc pinned[2] = {jt_job(run_fn, NULL, "good"), jt_job(run_fn, NULL, "far")};
+    pinned[1].pinned = true;
+    pinned[1].worker = c->workers + 1;
+    lb = jt_log_total();
+    ok(refused(sp_jobs_submit(S, pinned, 2, ctr), SP_ERR_INVALID_ARG, "sp_jobs_submit", lb, &st,
+               ctr, 0),
+       "%s: a job pinned to worker %u (of 0..%u): SP_ERR_INVALID_ARG, logged, nothing submitted",
+       cfg(), c->workers + 1, c->workers);
+
+    lb = jt_log_total();
+    ok(refused(sp_jobs_submit(S, NULL, 2, ctr), SP_ERR_INVALID_ARG, "sp_jobs_submit", lb, &st, ctr,
+               0),
+       "%s: NULL jobs with count 2: SP_ERR_INVALID_ARG, logged", cfg());
+    lb = jt_log_total();
+    ok(refused(sp_jobs_submit(NULL, three, 1, ctr), SP_ERR_INVALID_ARG, "sp_jobs_submit", lb, &st,
+               ctr, 0),
+       "%s: NULL scheduler: SP_ERR_INVALID_ARG, logged", cfg());
+
+    sp_counter *gate = counter("misuse gate");
+    lb = jt_log_total();
+    ok(refused(sp_jobs_submit_after(S, gate, 0, three, 3, ctr), SP_ERR_INVALID_ARG,
+               "sp_jobs_submit_after", lb, &st, ctr, 0),
+       "%s: submit_after with a NULL fn: SP_ERR_INVALID_ARG, logged, counter unchanged", cfg());
+
+    lb = jt_log_total();
+    sp_result pf = sp_parallel_for(S, 0, 100, 0, NULL, NULL);
+    ok(refused(pf, SP_ERR_INVALID_ARG, "sp_parallel_for", lb, &st, NULL, 0),
+       "%s: parallel_for with a NULL fn: SP_ERR_INVALID_ARG, logged", cfg());
+
+    lb = jt_log_total();
+    sp_result w = sp_counter_wait(NULL, 0);
+    ok(refused(w, SP_ERR_INVALID_ARG, "sp_counter_wait", lb, &st, NULL, 0),
+       "%s: sp_counter_wait(NULL): SP_ERR_INVALID_ARG, logged", cfg());
+
+    lb = jt_log_total();
+    ok(sp_jobs_submit(S, NULL, 0, ctr) == SP_OK && sp_counter_value(ctr) == 0 &&
+           jt_log_total() == lb,
+       "%s: count 0 is SP_OK and does nothing", cfg());
+
+    /* Misuse from inside a job is reported there too, and the job goes on. */
+    in_job ij = {SP_OK};
+    sp_job_desc j = jt_job(misuse_in_job, &ij, "misuser");
+    lb = jt_log_total();
+    bool sub = sp_jobs_submit(S, &j, 1, ctr) == SP_OK && sp_counter_wait(ctr, 0) == SP_OK;
+    ok(sub && ij.rc == SP_ERR_INVALID_ARG && jt_log_has(SP_ERR_INVALID_ARG, "sp_jobs_submit", NULL),
+       "%s: a NULL fn submitted from a job: SP_ERR_INVALID_ARG there, logged (%s)", cfg(),
+       sp_result_name(ij.rc));
+
+    /* State intact: the good jobs of refused batches never ran; a good batch runs. */
+    ok(atomic_load(&runs) == 0, "%s: no job of a refused batch ran (%d)", cfg(),
+       atomic_load(&runs));
+    bool good = sp_jobs_submit(S, three, 1, ctr) == SP_OK && sp_counter_wait(ctr, 0) == SP_OK;
+    ok(good && atomic_load(&runs) == 1, "%s: the scheduler still works", cfg());
+
+    /* Destroying a counter that a deferred batch holds: reported, ignored, counter kept. */
+    sp_counter_add(gate, 1);
+    sub = sp_jobs_submit_after(S, gate, 0, three, 1, ctr) == SP_OK;
+    lb = jt_log_total();
+    sp_counter_destroy(gate);
+    jt_record last;
+    bool logged = jt_log_total() == lb + 1 && jt_log_last(&last) &&
+                  strcmp(last.call, "sp_counter_destroy") == 0;
+    sp_counter_sub(gate, 1);
+    bool waited = sp_counter_wait(ctr, 0) == SP_OK;
+    ok(sub && logged && waited && atomic_load(&runs) == 2 && sp_counter_value(gate) == 0,
+       "%s: destroying a counter a deferred batch waits on is reported and ignored; the batch "
+       "still runs once it is signalled",
+       cfg());
+    if (!logged) jt_log_diag();
+    if (logged) diag("  sp_counter_destroy in use reported as %s", sp_result_name(last.id));
+
+    sp_jobs_status end;
+    bool settled = jt_settle(S, &end);
+    ok(settled && end.jobs_run == end.jobs_submitted && end.jobs_submitted == st.jobs_submitted + 3,
+       "%s: status: %llu submitted (the refused batches not counted), all run", cfg(),
+       (unsigned long long)end.jobs_submitted);
+    sp_counter_destroy(gate);
+    sp_counter_destroy(ctr);
+    sp_jobs_shutdown(S);
+    sp_jobs_destroy(S);
+    S = NULL;
+}
+
+/* ---- running out of job records -------------------------------------------------------- */
+
+enum { MAX_JOBS = 64 };
+
+typedef struct starved {
+    sp_result rc;
+    int64_t counter_after;
+    sp_counter *c;
+} starved;
+
+static void starved_fn(void *arg) {
+    starved *sv = arg;
+    sp_job_desc d = jt_job(run_fn, NULL, "child");
+    sv->rc = sp_jobs_submit(S, &d, 1, sv->c);
+    sv->counter_after = sp_counter_value(sv->c);
+}
+
+static atomic_uchar pf_visits[1000];
+
+static void pf_mark(void *arg, uint64_t b, uint64_t e) {
+    (void)arg;
+    for (uint64_t i = b; i < e; i++) atomic_fetch_add(&pf_visits[i], 1);
+}
+
+static void test_limit(const jt_config *c) {
+    CFG = c;
+    sp_jobs_desc desc = desc_for(c);
+    desc.max_jobs = MAX_JOBS;
+    if (sp_jobs_create(&S, &desc) != SP_OK) {
+        ok(0, "%s: create with max_jobs %d", cfg(), MAX_JOBS);
+        return;
+    }
+    atomic_store(&runs, 0);
+    sp_counter *gate = counter("limit gate"), *ctr = counter("limit");
+    sp_counter_add(gate, 1);
+    /* Mixed priorities: such a batch takes a record per job (a same-priority batch shares one
+     * record among its pieces, see max_jobs in sp_jobs.h). */
+    sp_job_desc d[MAX_JOBS];
+    for (int i = 0; i < MAX_JOBS; i++) {
+        d[i] = jt_job(run_fn, NULL, "held");
+        d[i].priority = i % 2 ? SP_PRIORITY_HIGH : SP_PRIORITY_NORMAL;
+    }
+
+    /* Deferred batches hold their records until they run. */
+    bool sub = sp_jobs_submit_after(S, gate, 0, d, 40, ctr) == SP_OK;
+    int lb = jt_log_total();
+    sp_result over = sp_jobs_submit_after(S, gate, 0, d, 30, ctr);
+    ok(sub && over == SP_ERR_LIMIT && sp_counter_value(ctr) == 40 &&
+           jt_log_has(SP_ERR_LIMIT, NULL, NULL) && jt_log_total() > lb,
+       "%s: 40 of %d records held, a batch of 30: SP_ERR_LIMIT, logged, counter unchanged (%lld)",
+       cfg(), MAX_JOBS, (long long)sp_counter_value(ctr));
+    sub = sp_jobs_submit_after(S, gate, 0, d, 23, ctr) == SP_OK;
+    ok(sub && sp_counter_value(ctr) == 63, "%s: a batch of 23 fits (63 of %d held)", cfg(),
+       MAX_JOBS);
+
+    /* The last record goes to a job that tries to submit one more: refused there. */
+    starved sv = {.rc = SP_OK, .c = ctr};
+    sp_job_desc sj = jt_job(starved_fn, &sv, "starved");
+    sp_counter *sc = counter("starved"), *g2 = counter("starved gate");
+    sp_counter_add(g2, 1);
+    sub = sp_jobs_submit_after(S, g2, 0, &sj, 1, sc) == SP_OK;
+    sp_result full = sp_jobs_submit(S, d, 1, NULL);
+    sp_counter_sub(g2, 1);
+    bool waited = sp_counter_wait(sc, 0) == SP_OK;
+    ok(sub && full == SP_ERR_LIMIT && waited && sv.rc == SP_ERR_LIMIT && sv.counter_after == 63,
+       "%s: all %d records in use: SP_ERR_LIMIT from the main thread (%s) and from a job (%s), "
+       "counter unchanged",
+       cfg(), MAX_JOBS, sp_result_name(full), sp_result_name(sv.rc));
+
+    /* parallel_for with every record held: the caller does the work. Once the starved job
+     * has finished (status settled) its record is free again: a deferred job takes it. */
+    memset(pf_visits, 0, sizeof pf_visits);
+    sp_jobs_status st;
+    bool settled = false; /* the starved job is the only one that can have run */
+    for (uint64_t t0 = sp_time_ns(); !settled && sp_time_ns() - t0 < 20000000000u;
+         sp_thread_yield()) {
+        sp_jobs_status_get(S, &st);
+        settled = st.jobs_run == 1;
+    }
+    sp_counter_add(sc, 1);
+    sp_job_desc hold = jt_job(run_fn, NULL, "hold");
+    sp_result hold_rc = sp_jobs_submit_after(S, sc, 0, &hold, 1, NULL);
+    ok(settled && hold_rc == SP_OK,
+       "%s: a finished job's record is free again: the 64th record taken by a deferred job (%s)",
+       cfg(), sp_result_name(hold_rc));
+    sp_result prc = sp_parallel_for(S, 0, 1000, 10, pf_mark, NULL);
+    bool once = true;
+    for (int i = 0; i < 1000; i++) once &= atomic_load(&pf_visits[i]) == 1;
+    ok((prc == SP_OK || prc == SP_ERR_LIMIT) && once,
+       "%s: parallel_for with every record held still covers its range once, on the caller (%s)",
+       cfg(), sp_result_name(prc));
+
+    sp_counter_sub(gate, 1);
+    sp_counter_sub(sc, 1);
+    waited = sp_counter_wait(ctr, 0) == SP_OK;
+    sp_jobs_status_get(S, &st);
+    jt_settle(S, &st);
+    ok(waited && atomic_load(&runs) == 63 + (hold_rc == SP_OK),
+       "%s: released, the 63 deferred jobs and the held one ran (%d runs)", cfg(),
+       atomic_load(&runs));
+
+    /* Records come back: a full max_jobs batch fits again. */
+    sp_jobs_status end;
+    jt_settle(S, &end);
+    sp_result again = sp_jobs_submit(S, d, MAX_JOBS, ctr);
+    waited = sp_counter_wait(ctr, 0) == SP_OK;
+    ok(again == SP_OK && waited, "%s: once the jobs finished, %d records are free again (%s)",
+       cfg(), MAX_JOBS, sp_result_name(again));
+    settled = jt_settle(S, &end);
+    ok(settled && end.jobs_run == end.jobs_submitted && sp_counter_value(ctr) == 0 &&
+           sp_counter_value(gate) == 0,
+       "%s: status: every submitted job ran (%llu), counters at 0", cfg(),
+       (unsigned long long)end.jobs_run);
+    sp_counter_destroy(sc);
+    sp_counter_destroy(g2);
+    sp_counter_destroy(gate);
+    sp_counter_destroy(ctr);
+    sp_jobs_shutdown(S);
+    sp_jobs_destroy(S);
+    S = NULL;
+}
+
+/* ---- shutdown with work that can never run --------------------------------------------- */
+
+static sp_counter *never;
+static atomic_int waiter_done;
+
+static void never_waiter(void *arg) {
+    (void)arg;
+    sp_counter_wait(never, 0);
+    atomic_fetch_add(&waiter_done, 1);
+}
+
+static void test_stalled_shutdown(const jt_config *c) {
+    CFG = c;
+    sp_jobs_desc desc = desc_for(c);
+    desc.watchdog_ms = UINT32_MAX; /* only shutdown's own report is wanted here */
+    if (sp_jobs_create(&S, &desc) != SP_OK) {
+        ok(0, "%s: create", cfg());
+        return;
+    }
+    atomic_store(&runs, 0);
+    atomic_store(&waiter_done, 0);
+    never = counter("never-signalled");
+    sp_counter_add(never, 1);
+    sp_job_desc d = jt_job(run_fn, NULL, "deferred forever");
+    sp_job_desc w = jt_job(never_waiter, NULL, "waits forever");
+    bool sub = sp_jobs_submit_after(S, never, 0, &d, 1, NULL) == SP_OK &&
+               sp_jobs_submit(S, &w, 1, NULL) == SP_OK;
+    jt_log_reset();
+    sp_result rc = sp_jobs_shutdown(S);
+    int stalled = jt_log_count(SP_ERR_STALLED, -1);
+    ok(sub && stalled >= 1,
+       "%s: shutdown returns (%s) with a deferred batch and a parked wait nothing can complete, "
+       "and reports SP_ERR_STALLED (%d records)",
+       cfg(), sp_result_name(rc), stalled);
+    ok(atomic_load(&runs) == 0 && atomic_load(&waiter_done) == 0,
+       "%s: the abandoned jobs did not run on", cfg());
+    if (!jt_log_has(SP_ERR_STALLED, NULL, "never-signalled"))
+        diag("  note: no SP_ERR_STALLED message names the counter");
+    int lb = jt_log_total();
+    sp_counter_destroy(never);
+    if (jt_log_total() != lb) {
+        diag("  note: sp_counter_destroy after shutdown of a counter with abandoned work was "
+             "reported:");
+        jt_log_diag();
+    }
+    sp_jobs_destroy(S);
+    S = NULL;
+}
+
+int main(void) {
+    jt_log_capture();
+    sp_misuse_set_fatal(false);
+    const jt_config *two = &jt_sweep[2], *inl = &jt_sweep[0];
+    jt_deadline("create", 30);
+    test_create();
+    jt_deadline("misuse", 30);
+    test_misuse(inl);
+    test_misuse(two);
+    jt_deadline("limit", 30);
+    test_limit(inl);
+    test_limit(two);
+    jt_deadline("shutdown with work that can never run (inline)", 30);
+    test_stalled_shutdown(inl);
+    jt_deadline("shutdown with work that can never run (2 workers)", 30);
+    test_stalled_shutdown(two);
+    alarm(0);
+    jt_log_release();
+    return done();
+}
