@@ -204,12 +204,18 @@ static void make_current(cache *c, span *s, bool from_ring) {
 /* Look at up to SCAN spans of the ring (rotating it) for one with free blocks. */
 static span *ring_scan(cache *c, uint32_t k) {
     enum { SCAN = 8 };
-    for (int i = 0; i < SCAN && c->ring[k]; i++) {
+    if (!c->ring[k]) return NULL;
+    span *found = NULL;
+    sp_mutex_lock(&c->lock);
+    for (int i = 0; i < SCAN && !found; i++) {
         span *s = c->ring[k];
-        if (span_has_room(s)) return s;
-        c->ring[k] = s->next; /* rotation only: no reader cares about the head */
+        if (span_has_room(s))
+            found = s;
+        else
+            c->ring[k] = s->next;
     }
-    return NULL;
+    sp_mutex_unlock(&c->lock);
+    return found;
 }
 
 static span *empty_take(cache *c, uint32_t k) {
@@ -384,8 +390,8 @@ void tcache_cache_drain(cache *c) {
 void tcache_destroy(sp_tcache *pc) {
     cache *c = (cache *)pc;
     if (!c || c == &unattached || c == &tc.fallback) return;
+    tcache_cache_drain(c); /* still registered: its collections are counted */
     registry_remove(c);
-    tcache_cache_drain(c);
     heap_free(&tc.large, c);
 }
 
