@@ -344,8 +344,13 @@ void tcache_cache_init(cache *c, uint64_t tid) {
 
 sp_tcache *tcache_create(void) {
     if (!tcache_ready()) return NULL;
-    cache *c = heap_alloc(&tc.large, 64, sizeof(cache));
-    if (!c) return NULL;
+    /* A cache record gets a span of its own (one page of it is touched), after a zeroed
+     * header: a user's stale or forged free into it fails the magic check, where a record in
+     * the large heap could be freed by a stale large pointer that happened to match it. */
+    char *rec = heap_alloc(&tc.spans, SP_TCACHE_SPAN, SP_TCACHE_SPAN - SPAN_TAIL);
+    if (!rec) return NULL;
+    memset(rec, 0, SPAN_HEADER);
+    cache *c = (cache *)(rec + SPAN_HEADER);
     tcache_cache_init(c, sp_thread_os_id());
     registry_add(c);
     return &c->pub;
@@ -392,7 +397,7 @@ void tcache_destroy(sp_tcache *pc) {
     if (!c || c == &unattached || c == &tc.fallback) return;
     tcache_cache_drain(c); /* still registered: its collections are counted */
     registry_remove(c);
-    heap_free(&tc.large, c);
+    heap_free(&tc.spans, (char *)c - SPAN_HEADER);
 }
 
 sp_tcache *tcache_bind(sp_tcache *c) {

@@ -1,10 +1,11 @@
 /* The thread caches' global state and their two central heaps (internal to alloc/tcache*.c).
  *
  * One reservation, split in halves: the span heap (only SP_TCACHE_SPAN-aligned spans) and the
- * large heap (requests above the largest class, cache records). Each half is an sp_tlsf heap
- * committed from its start in growing chunks (one TLSF pool each), so "is p ours" is one
- * subtraction and compare against the committed length. A heap's TLSF is unlocked and guarded
- * by the heap's own mutex, which fork handlers can take (a TLSF-internal lock they could not).
+ * large heap (requests above the largest class); a cache record takes a span of its own. Each half
+ * is an sp_tlsf heap committed from its start in growing chunks (one TLSF pool each), so "is p
+ * ours" is one subtraction and compare against the committed length. A heap's TLSF is unlocked and
+ * guarded by the heap's own mutex, which fork handlers can take (a TLSF-internal lock they could
+ * not).
  */
 #ifndef SP_TCACHE_HEAP_H
 #define SP_TCACHE_HEAP_H

@@ -43,23 +43,24 @@ static void cache_count(cache *c, sp_tcache_status *st) {
     st->remote_collected += __atomic_load_n(&c->remote_collected, __ATOMIC_RELAXED);
 }
 
-static void status_begin(sp_tcache_status *st) {
+/* Zero the figures; false if the caches are not initialised (nothing else to read). */
+static bool status_begin(sp_tcache_status *st) {
     memset(st, 0, sizeof *st);
+    if (!atomic_load_explicit(&tc.ready, memory_order_acquire)) return false;
     st->class_count = tc.class_count;
     for (uint32_t k = 0; k < tc.class_count; k++) st->class_size[k] = tcache_class_size(k);
+    return true;
 }
 
 void sp_tcache_status_local(sp_tcache_status *st) {
-    status_begin(st);
     cache *c = (cache *)sp_tcache_tls;
-    if (!atomic_load_explicit(&tc.ready, memory_order_acquire) || !c->registered) return;
+    if (!status_begin(st) || !c->registered) return;
     cache_count(c, st);
     st->caches = 1;
 }
 
 void sp_tcache_status_get(sp_tcache_status *st) {
-    status_begin(st);
-    if (!atomic_load_explicit(&tc.ready, memory_order_acquire)) return;
+    if (!status_begin(st)) return;
     sp_mutex_lock(&tc.reg_lock);
     for (cache *c = tc.registry; c; c = c->reg_next) cache_count(c, st);
     st->caches = tc.cache_count;
@@ -86,17 +87,13 @@ void sp_tcache_status_get(sp_tcache_status *st) {
 
     heap_status(&tc.spans, &st->span_heap);
     heap_status(&tc.large, &st->large_heap);
-    /* Cache records live in the large heap too: they are not user blocks. */
-    size_t records = caches * sizeof(cache);
-    size_t large_live =
-        st->large_heap.live_blocks > caches ? st->large_heap.live_blocks - caches : 0;
-    size_t large_used =
-        st->large_heap.bytes_used > records ? st->large_heap.bytes_used - records : 0;
-    st->large_blocks = large_live;
-    st->live_blocks += large_live;
-    st->bytes_used += large_used;
+    /* Cache records take one span each from the span heap; the large heap is users' only. */
+    st->large_blocks = st->large_heap.live_blocks;
+    st->live_blocks += st->large_heap.live_blocks;
+    st->bytes_used += st->large_heap.bytes_used;
     st->bytes_free += st->large_heap.bytes_free + st->span_heap.bytes_free;
-    st->bytes_overhead += st->large_heap.bytes_overhead + st->span_heap.bytes_overhead + records;
+    st->bytes_overhead +=
+        st->large_heap.bytes_overhead + st->span_heap.bytes_overhead + caches * SP_TCACHE_SPAN;
     st->largest_free = st->large_heap.largest_free;
     st->high_water = st->large_heap.high_water + st->span_heap.high_water;
     st->fragmentation = st->large_heap.fragmentation;
