@@ -183,16 +183,20 @@ typedef struct sp_tcache_block {
     uintptr_t tag; /* address ^ key while free; 0 when handed out */
 } sp_tcache_block;
 
-/* The first part of every span header; the span starts at an SP_TCACHE_SPAN boundary. */
+/* The first part of every span header; the span starts at an SP_TCACHE_SPAN boundary. The
+ * first cache line is read by every free (any thread) and written only when the span changes
+ * hands or carves; the second is the owner's, written by every alloc and owner free: a remote
+ * free never pulls the owner's hot line away from it. */
 typedef struct sp_tcache_span {
-    sp_tcache_block *free; /* owner's free list */
-    uint32_t used;         /* blocks handed out and not yet back with the owner */
-    uint32_t start;        /* offset of the first block */
-    uint32_t carved;       /* bytes from start cut into blocks so far */
-    uint32_t div_mul;      /* exact-division test for block_size: off is a multiple iff */
-    uint32_t div_rot;      /*   rotr32(off * div_mul, div_rot) <= div_max */
-    uint32_t div_max;
-    struct sp_tcache *owner; /* read by any thread (atomically); written by the owner */
+    uint32_t start;   /* offset of the first block */
+    uint32_t carved;  /* bytes from start cut into blocks so far */
+    uint32_t div_mul; /* exact-division test for the block size: off is a multiple iff */
+    uint32_t div_rot; /*   rotr32(off * div_mul, div_rot) <= div_max */
+    uint32_t div_max; /* (offset 24 keeps owner clear of a free TLSF block's links) */
+    uint32_t pad_;
+    struct sp_tcache *owner;            /* read by any thread (atomically); written by the owner */
+    _Alignas(64) sp_tcache_block *free; /* owner's free list */
+    uint32_t used;                      /* blocks handed out and not yet back with the owner */
 } sp_tcache_span;
 
 typedef struct sp_tcache {

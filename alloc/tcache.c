@@ -512,9 +512,9 @@ TRACK_INTERNAL bool tcache_block_check(span *s, const void *p, const char *call)
                          "%p lies in the span heap but in no span in use", p),
                false;
     uint64_t tid = __atomic_load_n(&s->owner_tid, __ATOMIC_RELAXED);
-    uintptr_t first = (uintptr_t)s + s->pub.start;
-    uint32_t carved = __atomic_load_n(&s->pub.carved, __ATOMIC_RELAXED);
-    if (a < first || a - first >= carved || (a - first) % s->block_size)
+    uint32_t off = (uint32_t)(a - (uintptr_t)s) - s->pub.start, q = off * s->pub.div_mul;
+    q = (q >> s->pub.div_rot) | (q << ((32 - s->pub.div_rot) & 31));
+    if (off >= __atomic_load_n(&s->pub.carved, __ATOMIC_RELAXED) || q > s->pub.div_max)
         return sp_misuse(SP_ERR_INVALID_POINTER, call, p,
                          "%p is not the start of a block (class %u, %u-byte blocks, span of "
                          "thread %llu)",
@@ -586,6 +586,8 @@ TRACK_INTERNAL static bool block_free(void *p, const char *call) {
             sp_mutex_unlock(&tc.fallback_lock);
             return true;
         }
+        if (self == &unattached && sp_tcache_thread_attach() == SP_OK)
+            self = (cache *)sp_tcache_tls; /* counts its remote frees from now on */
         if (__atomic_load_n(&s->pub.owner, __ATOMIC_RELAXED) == &self->pub)
             block_free_owner(self, s, p);
         else

@@ -112,6 +112,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         default: sp_tcache_trim(); break;
         }
     }
+    tcache_bind(caches[0]); /* (an unbound thread would attach a cache of its own to free) */
     for (int s = 0; s < SLOTS; s++) {
         if (slot[s] && !filled(slot[s], len[s], (uint8_t)s)) abort();
         sp_tcache_free(slot[s]);
@@ -122,7 +123,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     sp_tcache_trim();
     sp_tcache_status st = snapshot();
     if (st.live_blocks || st.spans || st.spans_orphaned || st.caches || st.remote_pending ||
-        st.span_heap.live_blocks || st.large_heap.live_blocks)
+        st.span_heap.live_blocks || st.large_heap.live_blocks) {
+        diag(
+            "leak check: live %zu, spans %zu, orphaned %zu, caches %zu, pending %zu, heaps %zu/%zu",
+            st.live_blocks, st.spans, st.spans_orphaned, st.caches, st.remote_pending,
+            st.span_heap.live_blocks, st.large_heap.live_blocks);
         abort();
+    }
     return 0;
 }
