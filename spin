@@ -13,7 +13,7 @@ cd "$ROOT" || exit 1
 
 PACKAGES=(meson ninja-build pkg-config gcc g++ clang-14 libclang-rt-14-dev liburcu-dev
           libbenchmark-dev valgrind libjemalloc-dev libgoogle-perftools-dev libmimalloc-dev
-          gcc-aarch64-linux-gnu)
+          gcc-aarch64-linux-gnu python3 git)
 
 # Build directories: compiler environment and meson options. Changing these lines makes the
 # next run re-create the directory (see setup_dir).
