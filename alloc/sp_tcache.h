@@ -200,6 +200,9 @@ typedef struct sp_tcache_span {
 } sp_tcache_span;
 
 typedef struct sp_tcache {
+    /* cur[class_of[(size + 15) / 16]] for sizes up to SP_TCACHE_LOOKUP_MAX: the inline alloc
+     * goes from size to span without the class table. */
+    sp_tcache_span *direct[SP_TCACHE_LOOKUP_MAX / 16 + 1];
     sp_tcache_span *cur[SP_TCACHE_CLASSES]; /* current span per class (a sentinel if none) */
 } sp_tcache;
 
@@ -238,7 +241,7 @@ static inline __attribute__((always_inline)) sp_tcache *sp_tcache_self(void) {
 static inline __attribute__((always_inline)) void *sp_tcache_alloc(size_t size) {
     sp_tcache *c = sp_tcache_self();
     if (__builtin_expect(size <= SP_TCACHE_LOOKUP_MAX, 1)) {
-        sp_tcache_span *s = c->cur[sp_tcache_g.class_of[(size + 15) >> 4]];
+        sp_tcache_span *s = c->direct[(size + 15) >> 4];
         sp_tcache_block *b = s->free;
         if (__builtin_expect(b != NULL, 1)) {
             s->free = b->next;

@@ -21,7 +21,9 @@ span tcache_sentinel;
 _Static_assert(SP_TCACHE_CLASSES == 80, "S80 initialises every class");
 
 /* What an unattached thread's pointer points at: every class misses into the slow path. */
-static cache unattached = {.pub = {.cur = {S80}}};
+#define S65 S8, S8, S8, S8, S8, S8, S8, S8, S1
+_Static_assert(SP_TCACHE_LOOKUP_MAX / 16 + 1 == 65, "S65 initialises every direct entry");
+static cache unattached = {.pub = {.direct = {S65}, .cur = {S80}}};
 
 _Thread_local sp_tcache *sp_tcache_tls __attribute__((tls_model("initial-exec"))) = &unattached.pub;
 /* Set once the thread-exit hook has run: later calls (other destructors, libc's own) use the
@@ -190,6 +192,14 @@ static void ring_remove(cache *c, span *s) {
     s->next = s->prev = NULL;
 }
 
+/* Set cur[k] and the direct entries of the sizes in class k (list lock held, or the cache
+ * not yet visible). */
+void tcache_set_cur(cache *c, uint32_t k, span *s) {
+    c->pub.cur[k] = &s->pub;
+    for (uint32_t i = 0; i < SP_ARRAY_LEN(c->pub.direct); i++)
+        if (sp_tcache_g.class_of[i] == k) c->pub.direct[i] = &s->pub;
+}
+
 /* Make s the current span of its class; the old one (if any) joins the ring. */
 static void make_current(cache *c, span *s, bool from_ring) {
     uint32_t k = s->cls;
@@ -197,7 +207,7 @@ static void make_current(cache *c, span *s, bool from_ring) {
     if (from_ring) ring_remove(c, s);
     span *old = (span *)c->pub.cur[k];
     if (old != &tcache_sentinel) ring_insert(c, old);
-    c->pub.cur[k] = &s->pub;
+    tcache_set_cur(c, k, s);
     sp_mutex_unlock(&c->lock);
 }
 
@@ -339,6 +349,8 @@ static void registry_remove(cache *c) {
 void tcache_cache_init(cache *c, uint64_t tid) {
     memset(c, 0, sizeof *c);
     for (uint32_t k = 0; k < SP_TCACHE_CLASSES; k++) c->pub.cur[k] = &tcache_sentinel.pub;
+    for (uint32_t i = 0; i < SP_ARRAY_LEN(c->pub.direct); i++)
+        c->pub.direct[i] = &tcache_sentinel.pub;
     c->tid = tid;
 }
 
@@ -361,7 +373,7 @@ void tcache_cache_drain(cache *c) {
     for (uint32_t k = 0; k < SP_TCACHE_CLASSES; k++) {
         span *cur = (span *)c->pub.cur[k];
         sp_mutex_lock(&c->lock);
-        c->pub.cur[k] = &tcache_sentinel.pub;
+        tcache_set_cur(c, k, &tcache_sentinel);
         span *ring = c->ring[k];
         c->ring[k] = NULL;
         sp_mutex_unlock(&c->lock);

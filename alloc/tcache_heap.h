@@ -72,6 +72,7 @@ void heap_status(heap *h, sp_tlsf_status *out);
 void heap_lock_all(bool lock);
 
 void tcache_cache_init(cache *c, uint64_t tid);
+void tcache_set_cur(cache *c, uint32_t k, span *s);
 void tcache_cache_drain(cache *c);
 void tcache_span_emptied(cache *c, span *s);
 uint32_t span_collect(span *s, cache *c);

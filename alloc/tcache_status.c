@@ -110,7 +110,7 @@ static size_t cache_trim(cache *c) {
             span_collect(cur, c);
             if (cur->pub.used == 0) {
                 sp_mutex_lock(&c->lock);
-                c->pub.cur[k] = &tcache_sentinel.pub;
+                tcache_set_cur(c, k, &tcache_sentinel);
                 sp_mutex_unlock(&c->lock);
                 span_release(cur);
                 bytes += SP_TCACHE_SPAN;
