@@ -93,6 +93,7 @@ TRACK_INTERNAL static void span_format(span *s, cache *c, uint32_t k) {
     s->capacity = (uint32_t)((SP_TCACHE_SPAN - SPAN_TAIL - s->pub.start) / bs);
     s->next = s->prev = NULL;
     atomic_store_explicit(&s->inbox, NULL, memory_order_relaxed);
+    atomic_store_explicit(&s->inbox_count, 0, memory_order_relaxed);
     s->magic = span_magic(s);
     __atomic_store_n(&s->owner_tid, c ? c->tid : 0, __ATOMIC_RELAXED);
     __atomic_store_n(&s->pub.owner, c ? &c->pub : NULL, __ATOMIC_RELEASE);
@@ -121,27 +122,30 @@ TRACK_INTERNAL static bool span_carve(span *s) {
     return true;
 }
 
-/* Take the whole inbox onto the free list. Owner (or orphan-lock holder) only. Returns the
- * number of blocks taken; c (may be NULL) counts them. */
+/* Take the whole inbox onto the free list. Owner (or orphan-lock holder) only. Returns
+ * whether blocks were taken; c (may be NULL) counts them. No walk of the list unless the free
+ * list is not empty: the count comes from inbox_count. */
 TRACK_INTERNAL uint32_t span_collect(span *s, cache *c) {
-    if (atomic_load_explicit(&s->inbox, memory_order_relaxed) == NULL) return 0;
+    if (atomic_load_explicit(&s->inbox, memory_order_relaxed) == NULL &&
+        atomic_load_explicit(&s->inbox_count, memory_order_relaxed) == 0)
+        return 0;
+    uint32_t n = atomic_exchange_explicit(&s->inbox_count, 0, memory_order_acquire);
     sp_tcache_block *list = atomic_exchange_explicit(&s->inbox, NULL, memory_order_acquire);
-    if (!list) return 0;
-    uint32_t n = 1;
-    sp_tcache_block *tail = list;
-    while (tail->next) {
-        tail = tail->next;
-        n++;
+    if (list) {
+        if (s->pub.free) {
+            sp_tcache_block *tail = list;
+            while (tail->next) tail = tail->next;
+            tail->next = s->pub.free;
+        }
+        s->pub.free = list;
     }
-    tail->next = s->pub.free;
-    s->pub.free = list;
     SP_INVARIANT(n <= s->pub.used, "span_collect", s);
     __atomic_store_n(&s->pub.used, s->pub.used - n, __ATOMIC_RELAXED);
     if (c)
         __atomic_store_n(&c->remote_collected, c->remote_collected + n, __ATOMIC_RELAXED);
     else
         atomic_fetch_add_explicit(&tc.orphan_collected, n, memory_order_relaxed);
-    return n;
+    return list != NULL;
 }
 
 static bool span_has_room(span *s) {
@@ -563,6 +567,8 @@ TRACK_INTERNAL static void block_free_remote(cache *c, span *s, sp_tcache_block 
         b->next = old;
     } while (!atomic_compare_exchange_weak_explicit(&s->inbox, &old, b, memory_order_release,
                                                     memory_order_relaxed));
+    /* After the push (see inbox_count); the span stays while this block is counted live. */
+    atomic_fetch_add_explicit(&s->inbox_count, 1, memory_order_release);
     if (c && c != &unattached)
         __atomic_store_n(&c->remote_frees, c->remote_frees + 1, __ATOMIC_RELAXED);
     else

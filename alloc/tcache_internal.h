@@ -30,6 +30,9 @@ typedef struct span {
     uint32_t pad_;
     struct span *next, *prev; /* ring (circular), empty list or orphan list (next only) */
     _Alignas(64) _Atomic(sp_tcache_block *) inbox; /* remote frees; own cache line */
+    _Atomic uint32_t inbox_count; /* blocks pushed, counted after their push: a collector that
+                                     reads it before taking the list never counts a block it
+                                     did not take (used may lag high, never low) */
 } span;
 
 _Static_assert(sizeof(span) <= SPAN_HEADER, "span header must fit in front of the blocks");
