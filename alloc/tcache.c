@@ -156,7 +156,10 @@ static bool span_has_room(span *s) {
 /* A new span from the central span heap, formatted for class k; NULL if the heap cannot grow. */
 static span *span_new(cache *c, uint32_t k) {
     span *s = heap_alloc(&tc.spans, SP_TCACHE_SPAN, SP_TCACHE_SPAN - SPAN_TAIL);
-    if (s) span_format(s, c, k);
+    if (s) {
+        track_subpool_begin(s, SP_TCACHE_SPAN - SPAN_TAIL);
+        span_format(s, c, k);
+    }
     return s;
 }
 
@@ -166,6 +169,7 @@ TRACK_INTERNAL void span_release(span *s) {
     track_release((char *)s + s->pub.start, SP_TCACHE_SPAN - SPAN_TAIL - s->pub.start);
     s->magic = 0;
     __atomic_store_n(&s->pub.owner, NULL, __ATOMIC_RELAXED);
+    track_subpool_end(s, SP_TCACHE_SPAN - SPAN_TAIL);
     heap_free(&tc.spans, s);
 }
 
@@ -411,7 +415,9 @@ void tcache_cache_drain(cache *c) {
 void tcache_destroy(sp_tcache *pc) {
     cache *c = (cache *)pc;
     if (!c || c == &unattached || c == &tc.fallback) return;
+    track_enter();
     tcache_cache_drain(c); /* still registered: its collections are counted */
+    track_leave();
     registry_remove(c);
     heap_free(&tc.spans, (char *)c - SPAN_HEADER);
 }
@@ -748,7 +754,13 @@ static sp_result init_locked(const sp_tcache_desc *desc) {
     d.region_size &= ~(SP_TCACHE_SPAN * 2 - 1);
     void *region = d.region;
     if (!region) {
+        /* Address space can be limited (ulimit -v, Valgrind): halve down to 1 GiB. The
+         * refusals are logged by the platform layer at warn level. */
         region = sp_vm_reserve(d.region_size, SP_TCACHE_SPAN, false, NULL);
+        while (!region && d.region_size > ((size_t)1 << 30)) {
+            d.region_size /= 2;
+            region = sp_vm_reserve(d.region_size, SP_TCACHE_SPAN, false, NULL);
+        }
         if (!region) return SP_ERR_OS;
     } else if ((uintptr_t)region & (SP_TCACHE_SPAN - 1)) {
         return sp_misuse(SP_ERR_INVALID_ARG, "sp_tcache_init", region,
