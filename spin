@@ -75,7 +75,8 @@ ensure_packages() {
         die "dpkg-query not found: spin expects Debian 12; see README.md for plain meson commands"
     local missing=() p status
     for p in "${PACKAGES[@]}"; do
-        status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null) || status=
+        # One line per installed architecture (a cross setup adds :arm64 ones): any will do.
+        status=$(dpkg-query -W -f='${Status}\n' "$p" 2>/dev/null | grep -m1 -x 'install ok installed') || status=
         [[ $status == "install ok installed" ]] || missing+=("$p")
     done
     ((${#missing[@]} == 0)) && return 0
@@ -93,7 +94,8 @@ ensure_packages() {
     DEBIAN_FRONTEND=noninteractive apt-get install -y "${missing[@]}" </dev/null ||
         die "apt-get install failed"
     for p in "${missing[@]}"; do
-        status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null) || status=
+        # One line per installed architecture (a cross setup adds :arm64 ones): any will do.
+        status=$(dpkg-query -W -f='${Status}\n' "$p" 2>/dev/null | grep -m1 -x 'install ok installed') || status=
         [[ $status == "install ok installed" ]] || die "package $p still not installed"
     done
 }

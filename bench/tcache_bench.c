@@ -46,10 +46,10 @@
 enum { LOCAL_SLOTS = 64, RING = 1024, SERVER_SLOTS = 8192, MAX_THREADS = 8 };
 
 static struct {
-    size_t local_ops;   /* stream length per thread */
-    int64_t passes;     /* passes over it per sample */
+    size_t local_ops;    /* stream length per thread */
+    int64_t passes;      /* passes over it per sample */
     size_t remote_pairs; /* blocks per producer */
-    size_t server_ops;  /* replacements per thread */
+    size_t server_ops;   /* replacements per thread */
     bool smoke;
 } cfg = {1u << 18, 8, 1u << 21, 1u << 20, false};
 
@@ -89,8 +89,10 @@ static inline __attribute__((always_inline)) void *who_alloc(bool spindle, size_
 }
 
 static inline __attribute__((always_inline)) void who_free(bool spindle, void *p) {
-    if (spindle) sp_tcache_free(p);
-    else free(p);
+    if (spindle)
+        sp_tcache_free(p);
+    else
+        free(p);
 }
 
 /* ---- peak RSS ----------------------------------------------------------------------------- */
@@ -119,7 +121,7 @@ static long rss_reset(void) {
 /* ---- threads of one benchmark meet here ---------------------------------------------------- */
 
 typedef struct shared {
-    atomic_int arrived[2];
+    atomic_int arrived, generation;
     _Atomic(void *) server[SERVER_SLOTS];
     struct ring {
         _Alignas(64) atomic_size_t head;
@@ -132,10 +134,16 @@ typedef struct shared {
 
 static shared sh;
 
-/* All `n` threads wait here (phase 0 or 1; thread 0 resets the other phase's count). */
-static void meet(int phase, int n) {
-    atomic_fetch_add(&sh.arrived[phase], 1);
-    while (atomic_load(&sh.arrived[phase]) < n) sp_thread_yield();
+/* All `n` threads wait here (a generation barrier: reusable at once, as Google Benchmark
+ * calls a case again right away when it wants more iterations). */
+static void meet(int n) {
+    int gen = atomic_load(&sh.generation);
+    if (atomic_fetch_add(&sh.arrived, 1) == n - 1) {
+        atomic_store(&sh.arrived, 0);
+        atomic_fetch_add(&sh.generation, 1);
+        return;
+    }
+    while (atomic_load(&sh.generation) == gen) sp_thread_yield();
 }
 
 /* ---- cases -------------------------------------------------------------------------------- */
@@ -177,8 +185,8 @@ static uint64_t run_local(bench_state *st, const bench_arg *a, size_t *pairs) {
     }
     void *slots[LOCAL_SLOTS];
     for (int i = 0; i < LOCAL_SLOTS; i++) slots[i] = who_alloc(a->spindle, 16 + (size_t)i * 3);
-    bool (*pass)(void **, const op *, size_t) = a->spindle ? local_pass_spindle
-                                                           : local_pass_process;
+    bool (*pass)(void **, const op *, size_t) =
+        a->spindle ? local_pass_spindle : local_pass_process;
     bool ok = pass(slots, ops, cfg.local_ops); /* warm-up, untimed */
     uint64_t ns = 0;
     *pairs = 0;
@@ -196,7 +204,7 @@ static uint64_t run_local(bench_state *st, const bench_arg *a, size_t *pairs) {
 static inline __attribute__((always_inline)) void remote_produce(bool spindle, struct ring *r,
                                                                  size_t n) {
     uint64_t seed = 0xfeed ^ (uintptr_t)r;
-    size_t head = 0;
+    size_t head = atomic_load_explicit(&r->head, memory_order_relaxed); /* after earlier runs */
     for (size_t i = 0; i < n; i++) {
         size_t size = 16 + (size_t)(rng_next(&seed) % 241);
         void *p = who_alloc(spindle, size);
@@ -210,14 +218,14 @@ static inline __attribute__((always_inline)) void remote_produce(bool spindle, s
 
 static inline __attribute__((always_inline)) size_t remote_consume(bool spindle, struct ring *r,
                                                                    size_t n) {
-    size_t tail = 0, bad = 0;
-    while (tail < n) {
+    size_t tail = atomic_load_explicit(&r->tail, memory_order_relaxed), end = tail + n, bad = 0;
+    while (tail < end) {
         size_t head = atomic_load_explicit(&r->head, memory_order_acquire);
         if (head == tail) {
             sp_thread_yield();
             continue;
         }
-        for (; tail < head; tail++) {
+        for (; tail < head && tail < end; tail++) {
             void *p = r->slot[tail % RING];
             bad += *(size_t *)p - 16 > 240;
             who_free(spindle, p);
@@ -263,7 +271,6 @@ static void run_case(bench_state *st, const void *varg) {
     const bench_arg *a = varg;
     int t = bench_thread_index(st), n = bench_threads(st);
     if (t == 0) {
-        atomic_store(&sh.arrived[1], 0);
         if (a->k == SERVER)
             for (int i = 0; i < SERVER_SLOTS; i++)
                 atomic_store(&sh.server[i], who_alloc(a->spindle, 16 + (size_t)i % 497));
@@ -273,14 +280,16 @@ static void run_case(bench_state *st, const void *varg) {
         }
         sh.rss_base = rss_reset();
     }
-    meet(0, n);
+    meet(n);
     const char *err = NULL;
     double ns_per_pair = 0;
     if (a->k == LOCAL) {
         size_t pairs = 0;
         uint64_t ns = run_local(st, a, &pairs);
-        if (!ns) err = "local: allocation or harness memory failed";
-        else ns_per_pair = (double)ns / (double)pairs;
+        if (!ns)
+            err = "local: allocation or harness memory failed";
+        else
+            ns_per_pair = (double)ns / (double)pairs;
     } else {
         size_t per = a->k == REMOTE ? cfg.remote_pairs / (size_t)(n / 2) : cfg.server_ops;
         uint64_t ns = 0, total = 0;
@@ -302,7 +311,7 @@ static void run_case(bench_state *st, const void *varg) {
         if (bad) err = "remote: a block arrived damaged";
         ns_per_pair = total ? (double)ns / (double)total : 0;
     }
-    meet(1, n);
+    meet(n);
     if (t == 0) {
         long hwm = status_kb("VmHWM:");
         bench_counter(st, "peak_rss_kb",
@@ -311,7 +320,6 @@ static void run_case(bench_state *st, const void *varg) {
         if (a->k == SERVER)
             for (int i = 0; i < SERVER_SLOTS; i++)
                 who_free(a->spindle, atomic_exchange(&sh.server[i], NULL));
-        atomic_store(&sh.arrived[0], 0);
     }
     bench_counter(st, "ns_per_pair", ns_per_pair, BENCH_COUNTER_AVG_THREADS);
     if (err) bench_skip_with_error(st, err);
@@ -362,8 +370,8 @@ int main(int argc, char **argv) {
                 int n = cases[c].threads[i];
                 args[c][i][w] = (bench_arg){cases[c].k, w == 0, n};
                 if (cases[c].k == LOCAL && n == 1)
-                    snprintf(names[c][i][w], sizeof names[c][i][w], "tcache/%s/%s",
-                             cases[c].name, w == 0 ? "spindle" : PEER_NAME);
+                    snprintf(names[c][i][w], sizeof names[c][i][w], "tcache/%s/%s", cases[c].name,
+                             w == 0 ? "spindle" : PEER_NAME);
                 else
                     snprintf(names[c][i][w], sizeof names[c][i][w], "tcache/%s/%s/workers:%d",
                              cases[c].name, w == 0 ? "spindle" : PEER_NAME, n);
