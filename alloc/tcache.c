@@ -400,16 +400,24 @@ void tcache_cache_drain(cache *c) {
                 orphan_push(s);
         }
     }
+    tcache_empty_release(c);
+}
+
+/* Return c's kept empty spans to the central heap; returns their bytes. */
+size_t tcache_empty_release(cache *c) {
     sp_mutex_lock(&c->lock);
     span *e = c->empty;
     c->empty = NULL;
     c->empty_count = 0;
     sp_mutex_unlock(&c->lock);
+    size_t bytes = 0;
     while (e) {
         span *s = e;
         e = s->next;
         span_release(s);
+        bytes += SP_TCACHE_SPAN;
     }
+    return bytes;
 }
 
 void tcache_destroy(sp_tcache *pc) {

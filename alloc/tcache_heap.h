@@ -74,6 +74,7 @@ void heap_lock_all(bool lock);
 void tcache_cache_init(cache *c, uint64_t tid);
 void tcache_set_cur(cache *c, uint32_t k, span *s);
 void tcache_cache_drain(cache *c);
+size_t tcache_empty_release(cache *c);
 void tcache_span_emptied(cache *c, span *s);
 uint32_t span_collect(span *s, cache *c);
 void span_release(span *s);

@@ -145,18 +145,7 @@ static size_t cache_trim(cache *c) {
             s = next;
         }
     }
-    sp_mutex_lock(&c->lock);
-    span *e = c->empty;
-    c->empty = NULL;
-    c->empty_count = 0;
-    sp_mutex_unlock(&c->lock);
-    while (e) {
-        span *s = e;
-        e = s->next;
-        span_release(s);
-        bytes += SP_TCACHE_SPAN;
-    }
-    return bytes;
+    return bytes + tcache_empty_release(c);
 }
 
 size_t sp_tcache_trim(void) {

@@ -4,12 +4,14 @@
  *   sp_log.h       logger, SP_ERR_* ids, misuse policy, sp_die
  *   sp_platform.h  virtual memory, threads, clocks, futex, mutex
  *   sp_tlsf.h      the central TLSF heap
+ *   sp_tcache.h    thread caches over the central heap (alloc, free, ... inline fast paths)
  */
 #ifndef SPINDLE_H
 #define SPINDLE_H
 
 #include "sp_log.h"
 #include "sp_platform.h"
+#include "sp_tcache.h"
 #include "sp_tlsf.h"
 
 #endif

@@ -18,16 +18,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 enum { SLOTS = 32 };
 
-static void fill(uint8_t *p, size_t n, uint8_t v) {
-    memset(p, v, n);
-}
-
-static bool filled(const uint8_t *p, size_t n, uint8_t v) {
-    for (size_t i = 0; i < n; i++)
-        if (p[i] != v) return false;
-    return true;
-}
-
 static sp_tcache_status snapshot(void) {
     sp_tcache_status st;
     sp_tcache_status_get(&st);
@@ -71,11 +61,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             slot[s] = op == 2 ? sp_tcache_aligned_alloc((size_t)16 << (data[i + 2] % 9), n)
                               : sp_tcache_alloc(n);
             if (!slot[s]) abort();
-            fill(slot[s], len[s] = n, (uint8_t)s);
+            ts_fill(slot[s], len[s] = n, (uint8_t)s);
             break;
         case 3: /* free, by whichever cache is bound */
             if (!slot[s]) break;
-            if (!filled(slot[s], len[s], (uint8_t)s)) abort();
+            if (!ts_filled(slot[s], len[s], (uint8_t)s)) abort();
             sp_tcache_free(slot[s]);
             stale[s] = slot[s];
             slot[s] = NULL;
@@ -84,10 +74,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             if (!slot[s]) break;
             uint8_t *q = sp_tcache_realloc(slot[s], n);
             if (!q && n) abort();
-            if (q && !filled(q, len[s] < n ? len[s] : n, (uint8_t)s)) abort();
+            if (q && !ts_filled(q, len[s] < n ? len[s] : n, (uint8_t)s)) abort();
             stale[s] = n ? NULL : slot[s];
             slot[s] = q;
-            if (q) fill(q, len[s] = n, (uint8_t)s);
+            if (q) ts_fill(q, len[s] = n, (uint8_t)s);
             break;
         }
         case 5: /* double free of a stale pointer: refused unless the address is live again */
@@ -114,7 +104,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     }
     tcache_bind(caches[0]); /* (an unbound thread would attach a cache of its own to free) */
     for (int s = 0; s < SLOTS; s++) {
-        if (slot[s] && !filled(slot[s], len[s], (uint8_t)s)) abort();
+        if (slot[s] && !ts_filled(slot[s], len[s], (uint8_t)s)) abort();
         sp_tcache_free(slot[s]);
     }
     tcache_bind(outer);

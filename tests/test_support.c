@@ -167,6 +167,16 @@ bool ts_tool_reports(const char *self, void (*bug)(void), const char *name, cons
     return failed && seen;
 }
 
+void ts_fill(uint8_t *p, size_t n, uint8_t v) {
+    memset(p, v, n);
+}
+
+bool ts_filled(const uint8_t *p, size_t n, uint8_t v) {
+    for (size_t i = 0; i < n; i++)
+        if (p[i] != v) return false;
+    return true;
+}
+
 /* ---- RNG ------------------------------------------------------------------------------- */
 
 static uint64_t splitmix64(uint64_t *x) {
