@@ -79,6 +79,38 @@ static void test_alloc_free(void) {
     is_int(st.live_blocks, 0, "all freed (free and free_sized): no live blocks");
 }
 
+static void *status_elsewhere(void *arg) {
+    sp_tcache_status *st = arg;
+    void *p = sp_tcache_alloc(100);
+    sp_tcache_status_local(st);
+    sp_tcache_free(p);
+    return NULL;
+}
+
+/* Per-thread figures, and free_local. */
+static void test_local(void) {
+    enum { N = 300 };
+    void *p[N];
+    sp_tcache_status before, st, other;
+    sp_tcache_status_local(&before);
+    for (int i = 0; i < N; i++) p[i] = sp_tcache_alloc(24);
+    sp_tcache_status_local(&st);
+    uint32_t k = tcache_class_of(24);
+    ok(st.caches == 1 && st.live_blocks == before.live_blocks + N &&
+           st.class_live[k] == before.class_live[k] + N && st.class_size[k] == 32,
+       "status_local: this cache's %zu live blocks, %zu in the 32-byte class", st.live_blocks,
+       st.class_live[k]);
+    sp_thread t;
+    sp_thread_start(&t, status_elsewhere, &other, "sp-status");
+    sp_thread_join(t);
+    ok(other.caches == 1 && other.live_blocks == 1,
+       "status_local on another thread sees only that thread's cache (%zu live)",
+       other.live_blocks);
+    for (int i = 0; i < N; i++) sp_tcache_free_local(p[i]);
+    sp_tcache_status_local(&st);
+    ok(st.live_blocks == before.live_blocks, "free_local returned all %d blocks", N);
+}
+
 static void test_calloc_realloc(void) {
     unsigned char *a = sp_tcache_alloc(100);
     memset(a, 0xab, 100);
@@ -241,10 +273,11 @@ static void test_leak_check(void) {
 }
 
 int main(void) {
-    plan(25);
+    plan(28);
     ok(sp_tcache_init(&(sp_tcache_desc){.region_size = (size_t)1 << 30}) == SP_OK, "init");
     test_classes();
     test_alloc_free();
+    test_local();
     test_calloc_realloc();
     test_aligned();
     test_hysteresis();
