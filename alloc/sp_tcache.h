@@ -18,7 +18,11 @@
  * detach (explicitly, or at thread exit), then sp_tcache_shutdown when no other thread is
  * attached. A detaching cache returns its empty spans to the central heap and hands spans with
  * live blocks to an orphan list; other caches adopt them; blocks in them may still be freed
- * from anywhere. sp_tcache_trim returns every span that can be returned.
+ * from anywhere. sp_tcache_trim returns every span that can be returned. A thread that frees
+ * before it ever allocated attaches too (its remote frees are counted in its cache); after its
+ * exit hook ran, a thread's calls go through one shared fallback cache under a lock.
+ * sp_tcache_tls is an initial-exec thread-local: a shared library holding it must be loaded
+ * with the program (or preloaded), not dlopen'ed into a running process.
  *
  * Concurrency:
  *   sp_tcache_init / _shutdown                  not concurrently with anything else
