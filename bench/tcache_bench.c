@@ -28,20 +28,7 @@
 #include "sp_platform.h"
 #include "sp_tcache.h"
 
-#if defined(BENCH_PEER_JEMALLOC)
-#define PEER_NAME "jemalloc"
-#define PEER_LIB "libjemalloc"
-#elif defined(BENCH_PEER_TCMALLOC)
-#define PEER_NAME "tcmalloc"
-#define PEER_LIB "libtcmalloc"
-#elif defined(BENCH_PEER_MIMALLOC)
-#define PEER_NAME "mimalloc"
-#define PEER_LIB "libmimalloc"
-#else
-#define BENCH_PEER_GLIBC 1
-#define PEER_NAME "glibc"
-#define PEER_LIB "libc.so"
-#endif
+#include "peer.h"
 
 enum { LOCAL_SLOTS = 64, RING = 1024, SERVER_SLOTS = 8192, MAX_THREADS = 8 };
 
@@ -60,27 +47,6 @@ typedef struct bench_arg {
     bool spindle;
     int threads;
 } bench_arg;
-
-/* ---- harness memory: from the platform layer, never from the allocator under test ------ */
-
-static void *region_get(size_t bytes, size_t *rounded) {
-    size_t page = sp_page_size();
-    *rounded = (bytes + page - 1) / page * page;
-    void *p = sp_vm_reserve(*rounded, 0, false, NULL);
-    if (p && sp_vm_commit(p, *rounded) != SP_OK) {
-        sp_vm_release(p, *rounded);
-        p = NULL;
-    }
-    return p;
-}
-
-static uint64_t rng_next(uint64_t *s) /* splitmix64 */
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15u);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9u;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebu;
-    return z ^ (z >> 31);
-}
 
 /* ---- the allocator under test: one branch on a constant, inlined away ------------------ */
 
@@ -175,8 +141,8 @@ static __attribute__((noinline)) bool local_pass_process(void **s, const op *o, 
 
 /* Returns the ns of the timed loop, and *pairs done by this thread; 0 on failure. */
 static uint64_t run_local(bench_state *st, const bench_arg *a, size_t *pairs) {
-    size_t bytes;
-    op *ops = region_get(cfg.local_ops * sizeof(op), &bytes);
+    region mem;
+    op *ops = region_get(&mem, cfg.local_ops * sizeof(op));
     if (!ops) return 0;
     uint64_t seed = 0x7c0ffee ^ (uint64_t)bench_thread_index(st) << 40;
     for (size_t i = 0; i < cfg.local_ops; i++) {
@@ -197,7 +163,7 @@ static uint64_t run_local(bench_state *st, const bench_arg *a, size_t *pairs) {
         *pairs += (size_t)cfg.passes * cfg.local_ops;
     }
     for (int i = 0; i < LOCAL_SLOTS; i++) who_free(a->spindle, slots[i]);
-    sp_vm_release(ops, bytes);
+    region_put(&mem);
     return ok ? ns : 0;
 }
 
