@@ -92,8 +92,7 @@ TRACK_INTERNAL static void span_format(span *s, cache *c, uint32_t k) {
     s->block_size = bs;
     s->capacity = (uint32_t)((SP_TCACHE_SPAN - SPAN_TAIL - s->pub.start) / bs);
     s->next = s->prev = NULL;
-    atomic_store_explicit(&s->inbox, NULL, memory_order_relaxed);
-    atomic_store_explicit(&s->inbox_count, 0, memory_order_relaxed);
+    atomic_store_explicit(&s->inbox, 0, memory_order_relaxed);
     s->magic = span_magic(s);
     __atomic_store_n(&s->owner_tid, c ? c->tid : 0, __ATOMIC_RELAXED);
     __atomic_store_n(&s->pub.owner, c ? &c->pub : NULL, __ATOMIC_RELEASE);
@@ -122,35 +121,33 @@ TRACK_INTERNAL static bool span_carve(span *s) {
     return true;
 }
 
-/* Take the whole inbox onto the free list. Owner (or orphan-lock holder) only. Returns
- * whether blocks were taken; c (may be NULL) counts them. No walk of the list unless the free
- * list is not empty: the count comes from inbox_count. */
+/* Take the whole inbox onto the free list. Owner (or orphan-lock holder) only. Returns the
+ * number of blocks taken; c (may be NULL) counts them. The list is walked only when the free
+ * list is not empty (to append); the count comes with the list. */
 TRACK_INTERNAL uint32_t span_collect(span *s, cache *c) {
-    if (atomic_load_explicit(&s->inbox, memory_order_relaxed) == NULL &&
-        atomic_load_explicit(&s->inbox_count, memory_order_relaxed) == 0)
-        return 0;
-    uint32_t n = atomic_exchange_explicit(&s->inbox_count, 0, memory_order_acquire);
-    sp_tcache_block *list = atomic_exchange_explicit(&s->inbox, NULL, memory_order_acquire);
-    if (list) {
-        if (s->pub.free) {
-            sp_tcache_block *tail = list;
-            while (tail->next) tail = tail->next;
-            tail->next = s->pub.free;
-        }
-        s->pub.free = list;
+    if (atomic_load_explicit(&s->inbox, memory_order_relaxed) == 0) return 0;
+    uintptr_t v = atomic_exchange_explicit(&s->inbox, 0, memory_order_acquire);
+    sp_tcache_block *list = (sp_tcache_block *)(v & (((uintptr_t)1 << INBOX_BITS) - 1));
+    uint32_t n = (uint32_t)(v >> INBOX_BITS);
+    if (!list) return 0;
+    if (s->pub.free) {
+        sp_tcache_block *tail = list;
+        while (tail->next) tail = tail->next;
+        tail->next = s->pub.free;
     }
+    s->pub.free = list;
     SP_INVARIANT(n <= s->pub.used, "span_collect", s);
     __atomic_store_n(&s->pub.used, s->pub.used - n, __ATOMIC_RELAXED);
     if (c)
         __atomic_store_n(&c->remote_collected, c->remote_collected + n, __ATOMIC_RELAXED);
     else
         atomic_fetch_add_explicit(&tc.orphan_collected, n, memory_order_relaxed);
-    return list != NULL;
+    return n;
 }
 
 static bool span_has_room(span *s) {
     return s->pub.free != NULL || s->pub.carved / s->block_size < s->capacity ||
-           atomic_load_explicit(&s->inbox, memory_order_relaxed) != NULL;
+           atomic_load_explicit(&s->inbox, memory_order_relaxed) != 0;
 }
 
 /* A new span from the central span heap, formatted for class k; NULL if the heap cannot grow. */
@@ -576,13 +573,12 @@ TRACK_INTERNAL static void block_free_owner(cache *c, span *s, sp_tcache_block *
 TRACK_INTERNAL static void block_free_remote(cache *c, span *s, sp_tcache_block *b) {
     track_free(b, s->block_size);
     b->tag = (uintptr_t)b ^ sp_tcache_g.key;
-    sp_tcache_block *old = atomic_load_explicit(&s->inbox, memory_order_relaxed);
+    uintptr_t old = atomic_load_explicit(&s->inbox, memory_order_relaxed), next;
     do {
-        b->next = old;
-    } while (!atomic_compare_exchange_weak_explicit(&s->inbox, &old, b, memory_order_release,
+        b->next = (sp_tcache_block *)(old & (((uintptr_t)1 << INBOX_BITS) - 1));
+        next = (uintptr_t)b | (((old >> INBOX_BITS) + 1) << INBOX_BITS);
+    } while (!atomic_compare_exchange_weak_explicit(&s->inbox, &old, next, memory_order_release,
                                                     memory_order_relaxed));
-    /* After the push (see inbox_count); the span stays while this block is counted live. */
-    atomic_fetch_add_explicit(&s->inbox_count, 1, memory_order_release);
     if (c && c != &unattached)
         __atomic_store_n(&c->remote_frees, c->remote_frees + 1, __ATOMIC_RELAXED);
     else
@@ -773,6 +769,12 @@ static sp_result init_locked(const sp_tcache_desc *desc) {
     } else if ((uintptr_t)region & (SP_TCACHE_SPAN - 1)) {
         return sp_misuse(SP_ERR_INVALID_ARG, "sp_tcache_init", region,
                          "region %p is not aligned to %zu bytes", region, SP_TCACHE_SPAN);
+    }
+    if (((uintptr_t)region + d.region_size) >> INBOX_BITS) {
+        if (!d.region) sp_vm_release(region, d.region_size);
+        return sp_misuse(SP_ERR_INVALID_ARG, "sp_tcache_init", region,
+                         "region %p ends above 2^%d (inbox tags use the bits above)", region,
+                         (int)INBOX_BITS);
     }
     tc.region = region;
     tc.region_size = d.region_size;

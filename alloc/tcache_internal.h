@@ -17,6 +17,7 @@
 #include "sp_tcache.h"
 
 enum {
+    INBOX_BITS = 48,
     SPAN_HEADER = 256, /* bytes before the first block (alignment of blocks: 16 and up) */
     SPAN_TAIL = 16,    /* the last 16 bytes hold the next TLSF block's header */
 };
@@ -29,10 +30,11 @@ typedef struct span {
     uint32_t capacity; /* blocks the span holds */
     uint32_t pad_;
     struct span *next, *prev; /* ring (circular), empty list or orphan list (next only) */
-    _Alignas(64) _Atomic(sp_tcache_block *) inbox; /* remote frees; own cache line */
-    _Atomic uint32_t inbox_count; /* blocks pushed, counted after their push: a collector that
-                                     reads it before taking the list never counts a block it
-                                     did not take (used may lag high, never low) */
+    /* Remote frees, on a cache line of their own: the list head in the low INBOX_BITS bits,
+     * the number of blocks on it above them, so one CAS pushes and one exchange takes list
+     * and count together (no walk to count; user addresses stay below 2^48, checked at init,
+     * and a span holds fewer than 2^16 blocks). */
+    _Alignas(64) _Atomic uintptr_t inbox;
 } span;
 
 _Static_assert(sizeof(span) <= SPAN_HEADER, "span header must fit in front of the blocks");
