@@ -13,7 +13,7 @@ cd "$ROOT" || exit 1
 
 PACKAGES=(meson ninja-build pkg-config gcc g++ clang-14 libclang-rt-14-dev liburcu-dev
           libbenchmark-dev valgrind libjemalloc-dev libgoogle-perftools-dev libmimalloc-dev
-          gcc-aarch64-linux-gnu liburcu-dev:arm64)
+          gcc-aarch64-linux-gnu python3 git liburcu-dev:arm64)
 # liburcu-dev:arm64 (for the aarch64 cross build) is a Debian multiarch package: the arm64
 # architecture is added to dpkg first if it is missing.
 
@@ -77,7 +77,8 @@ ensure_packages() {
         die "dpkg-query not found: spin expects Debian 12; see README.md for plain meson commands"
     local missing=() p status
     for p in "${PACKAGES[@]}"; do
-        status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null) || status=
+        # One line per installed architecture (a cross setup adds :arm64 ones): any will do.
+        status=$(dpkg-query -W -f='${Status}\n' "$p" 2>/dev/null | grep -m1 -x 'install ok installed') || status=
         [[ $status == "install ok installed" ]] || missing+=("$p")
     done
     ((${#missing[@]} == 0)) && return 0
@@ -100,7 +101,8 @@ ensure_packages() {
     DEBIAN_FRONTEND=noninteractive apt-get install -y "${missing[@]}" </dev/null ||
         die "apt-get install failed"
     for p in "${missing[@]}"; do
-        status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null) || status=
+        # One line per installed architecture (a cross setup adds :arm64 ones): any will do.
+        status=$(dpkg-query -W -f='${Status}\n' "$p" 2>/dev/null | grep -m1 -x 'install ok installed') || status=
         [[ $status == "install ok installed" ]] || die "package $p still not installed"
     done
 }

@@ -112,4 +112,24 @@ static inline void track_resize(const void *p, size_t old_n, size_t new_n) {
     (void)p, (void)old_n, (void)new_n;
 }
 
+/* A block this allocator got from another tracked allocator (a span from a TLSF heap) becomes
+ * a pool of its own, whose blocks are then tracked one by one with track_malloc/track_free:
+ * Valgrind forgets the outer block (nested malloc-like blocks would overlap). ASan: nothing
+ * (the outer block stays addressable; the caller poisons what it hands out with track_pool). */
+static inline void track_subpool_begin(const void *p, size_t n) {
+#if TRACK_VALGRIND
+    VALGRIND_FREELIKE_BLOCK(p, 0);
+    VALGRIND_MAKE_MEM_DEFINED(p, n);
+#endif
+    (void)p, (void)n;
+}
+
+/* The pool made by track_subpool_begin goes back to its allocator as the live block it was. */
+static inline void track_subpool_end(const void *p, size_t n) {
+#if TRACK_VALGRIND
+    VALGRIND_MALLOCLIKE_BLOCK(p, n, 0, 0);
+#endif
+    (void)p, (void)n;
+}
+
 #endif

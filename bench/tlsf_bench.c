@@ -19,24 +19,17 @@
 #include "sp_platform.h"
 #include "sp_tlsf.h"
 
+#include "peer.h"
+
 #if defined(BENCH_PEER_JEMALLOC)
 #include <jemalloc/jemalloc.h>
-#define PEER_NAME "jemalloc"
-#define PEER_LIB "libjemalloc"
 #elif defined(BENCH_PEER_TCMALLOC)
 #include <gperftools/malloc_extension_c.h>
 #include <gperftools/tcmalloc.h>
-#define PEER_NAME "tcmalloc"
-#define PEER_LIB "libtcmalloc"
 #elif defined(BENCH_PEER_MIMALLOC)
 #include <mimalloc.h>
-#define PEER_NAME "mimalloc"
-#define PEER_LIB "libmimalloc"
 #else
 #include <gnu/libc-version.h>
-#define BENCH_PEER_GLIBC 1
-#define PEER_NAME "glibc"
-#define PEER_LIB "libc.so"
 #endif
 
 #define SPINDLE_HEAP_BYTES ((size_t)2 << 30) /* reserved and committed, faulted on first touch */
@@ -71,38 +64,7 @@ typedef struct pair_op {
     uint32_t size;
 } pair_op;
 
-/* ---- harness memory: from the platform layer, never from the allocator under test ------ */
-
-typedef struct region {
-    void *p;
-    size_t size;
-} region;
-
-static void *region_get(region *r, size_t bytes) {
-    size_t page = sp_page_size();
-    r->size = (bytes + page - 1) / page * page;
-    r->p = sp_vm_reserve(r->size, 0, false, NULL);
-    if (r->p && sp_vm_commit(r->p, r->size) != SP_OK) {
-        sp_vm_release(r->p, r->size);
-        r->p = NULL;
-    }
-    return r->p;
-}
-
-static void region_put(region *r) {
-    if (r->p) sp_vm_release(r->p, r->size);
-    r->p = NULL;
-}
-
-/* ---- the seeded stream ----------------------------------------------------------------- */
-
-static uint64_t rng_next(uint64_t *s) /* splitmix64 */
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15u);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9u;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebu;
-    return z ^ (z >> 31);
-}
+/* ---- the seeded stream (harness memory and rng_next: peer.h) --------------------------- */
 
 static uint32_t rng_below(uint64_t *s, uint32_t n) /* [0, n), multiply-shift */
 {

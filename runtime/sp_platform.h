@@ -126,6 +126,40 @@ void sp_mutex_lock(sp_mutex *m);
 bool sp_mutex_trylock(sp_mutex *m);
 void sp_mutex_unlock(sp_mutex *m);
 
+/* ---- thread pointer -------------------------------------------------------------------- */
+
+/* SP_TLS_FRESH(var): the address of the calling thread's instance of `var`, a thread-local
+ * declared with tls_model("initial-exec"), computed anew where it is written: an asm volatile
+ * with a memory clobber, which compilers neither merge with another nor move across a call.
+ * Plain TLS addresses are kept in registers across calls (NOTES.md), which is wrong after a
+ * fiber switch that resumed on another thread. Cost: one instruction more than a plain
+ * thread-local read (x86-64: the %fs:0 load; aarch64: mrs + GOT load). Undefined on other
+ * CPUs: callers test `defined(SP_TLS_FRESH)` and use an out-of-line function instead. */
+#if defined(__x86_64__)
+#define SP_TLS_FRESH(var)                                                                          \
+    __extension__({                                                                                \
+        char *sp_tls_p_;                                                                           \
+        __asm__ volatile("movq %%fs:0, %0\n\taddq " #var "@gottpoff(%%rip), %0"                    \
+                         : "=r"(sp_tls_p_)                                                         \
+                         :                                                                         \
+                         : "memory");                                                              \
+        (void *)sp_tls_p_;                                                                         \
+    })
+#elif defined(__aarch64__)
+#define SP_TLS_FRESH(var)                                                                          \
+    __extension__({                                                                                \
+        char *sp_tls_p_, *sp_tls_o_;                                                               \
+        __asm__ volatile("mrs %0, tpidr_el0\n\t"                                                   \
+                         "adrp %1, :gottprel:" #var "\n\t"                                         \
+                         "ldr %1, [%1, #:gottprel_lo12:" #var "]\n\t"                              \
+                         "add %0, %0, %1"                                                          \
+                         : "=&r"(sp_tls_p_), "=&r"(sp_tls_o_)                                      \
+                         :                                                                         \
+                         : "memory");                                                              \
+        (void *)sp_tls_p_;                                                                         \
+    })
+#endif
+
 #ifdef __cplusplus
 }
 #endif

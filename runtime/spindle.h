@@ -4,6 +4,7 @@
  *   sp_log.h       logger, SP_ERR_* ids, misuse policy, sp_die
  *   sp_platform.h  virtual memory, threads, clocks, futex, mutex
  *   sp_tlsf.h      the central TLSF heap
+ *   sp_tcache.h    thread caches over the central heap (alloc, free, ... inline fast paths)
  *   sp_jobs.h      the fiber job scheduler: workers, counters, priorities, parallel_for
  */
 #ifndef SPINDLE_H
@@ -11,6 +12,7 @@
 
 #include "sp_log.h"
 #include "sp_platform.h"
+#include "sp_tcache.h"
 #include "sp_tlsf.h"
 #include "sp_jobs.h"
 

@@ -11,6 +11,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "track.h"
+
 #ifndef SP_DEBUG
 #define SP_DEBUG 0
 #endif
@@ -131,6 +133,48 @@ bool ts_dies(void (*fn)(void *), void *arg, const char *needle1, const char *nee
         text_diag(text);
     }
     return died && found;
+}
+
+/* ---- memory tools ---------------------------------------------------------------------- */
+
+bool ts_tool_reports(const char *self, void (*bug)(void), const char *name, const char *kind) {
+    int fds[2];
+    if (pipe(fds) != 0) return false;
+    pid_t pid = fork();
+    if (pid == 0) {
+        dup2(fds[1], 2);
+        close(fds[0]);
+        if (TRACK_ASAN) {
+            bug();
+            _exit(0);
+        }
+        execlp("valgrind", "valgrind", "-q", "--error-exitcode=42", self, "--bug", name,
+               (char *)NULL);
+        _exit(127);
+    }
+    close(fds[1]);
+    static char out[1 << 16];
+    size_t len = 0;
+    ssize_t n;
+    while ((n = read(fds[0], out + len, sizeof out - 1 - len)) > 0) len += (size_t)n;
+    out[len] = 0;
+    close(fds[0]);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    bool seen = strstr(out, TRACK_ASAN ? "AddressSanitizer" : "Invalid") && strstr(out, kind);
+    if (!(failed && seen)) diag("  child status %d, output: %.300s", status, out);
+    return failed && seen;
+}
+
+void ts_fill(uint8_t *p, size_t n, uint8_t v) {
+    memset(p, v, n);
+}
+
+bool ts_filled(const uint8_t *p, size_t n, uint8_t v) {
+    for (size_t i = 0; i < n; i++)
+        if (p[i] != v) return false;
+    return true;
 }
 
 /* ---- RNG ------------------------------------------------------------------------------- */

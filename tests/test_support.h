@@ -32,6 +32,15 @@ void ts_log_release(void);
  * every non-NULL needle. */
 bool ts_dies(void (*fn)(void *), void *arg, const char *needle1, const char *needle2);
 
+/* Run bug() where a memory tool watches it: in a forked child under ASan, or in a child that
+ * re-executes `self` with "--bug NAME" under valgrind (-Dvalgrind=true builds), stderr
+ * captured. True if the child failed and the tool's report contains `kind`. */
+bool ts_tool_reports(const char *self, void (*bug)(void), const char *name, const char *kind);
+
+/* Fill n bytes at p with v / whether they all still hold v (fuzz targets' block checks). */
+void ts_fill(uint8_t *p, size_t n, uint8_t v);
+bool ts_filled(const uint8_t *p, size_t n, uint8_t v);
+
 /* xoshiro256** seeded from a 64-bit seed (splitmix64). */
 typedef struct ts_rng {
     uint64_t s[4];

@@ -6,8 +6,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include "sp_tlsf.h"
 #include "test_support.h"
@@ -17,36 +15,8 @@ static sp_tlsf *heap;
 
 static const char *self;
 
-/* Run a bug in a child with stderr captured: in-process under ASan, re-executed under
- * valgrind otherwise. True if the tool reported `kind`. */
 static bool tool_reports(void (*bug)(void), const char *name, const char *kind) {
-    int fds[2];
-    if (pipe(fds) != 0) return false;
-    pid_t pid = fork();
-    if (pid == 0) {
-        dup2(fds[1], 2);
-        close(fds[0]);
-        if (TRACK_ASAN) {
-            bug();
-            _exit(0);
-        }
-        execlp("valgrind", "valgrind", "-q", "--error-exitcode=42", self, "--bug", name,
-               (char *)NULL);
-        _exit(127);
-    }
-    close(fds[1]);
-    static char out[1 << 16];
-    size_t len = 0;
-    ssize_t n;
-    while ((n = read(fds[0], out + len, sizeof out - 1 - len)) > 0) len += (size_t)n;
-    out[len] = 0;
-    close(fds[0]);
-    int status = 0;
-    waitpid(pid, &status, 0);
-    bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-    bool seen = strstr(out, TRACK_ASAN ? "AddressSanitizer" : "Invalid") && strstr(out, kind);
-    if (!(failed && seen)) diag("  child status %d, output: %.300s", status, out);
-    return failed && seen;
+    return ts_tool_reports(self, bug, name, kind);
 }
 
 static volatile char sink;

@@ -1,0 +1,314 @@
+/* spindle thread caches: per-thread size-class slabs over the central TLSF heaps.
+ *
+ * Requests up to a configurable maximum (default 32 KiB) are served from size classes (16 B
+ * steps up to 128 B, then 8 classes per doubling: internal waste at most 12.5% above 128 B).
+ * Each thread owns a cache; a cache holds, per class, spans of SP_TCACHE_SPAN bytes carved
+ * from a central TLSF heap, aligned to their size so that any block finds its span header by
+ * masking its address. A span is cut into equal blocks with an intrusive free list.
+ *   alloc on the owner:  thread-local cache pointer, class lookup, pop. No atomics, no locks.
+ *   free on the owner:   range check, span header, checks, push. No atomics, no locks.
+ *   free on any other thread: a lock-free push onto the span's inbox (a Treiber stack that is
+ *                        only ever emptied whole, so it has no ABA problem); the owner takes
+ *                        the whole inbox at once on its slow path.
+ * Larger requests go to a second central TLSF heap directly. Both heaps live in one address
+ * reservation (committed as it grows), which is how a pointer is told to be foreign in O(1).
+ *
+ * Order: sp_tcache_init (optional: the first call of any function below initialises with
+ * defaults), then threads attach (explicitly, or implicitly on their first allocation) and
+ * detach (explicitly, or at thread exit), then sp_tcache_shutdown when no other thread is
+ * attached. A detaching cache returns its empty spans to the central heap and hands spans with
+ * live blocks to an orphan list; other caches adopt them; blocks in them may still be freed
+ * from anywhere. sp_tcache_trim returns every span that can be returned. A thread that frees
+ * before it ever allocated attaches too (its remote frees are counted in its cache); after its
+ * exit hook ran, a thread's calls go through one shared fallback cache under a lock.
+ * sp_tcache_tls is an initial-exec thread-local: a shared library holding it must be loaded
+ * with the program (or preloaded), not dlopen'ed into a running process.
+ *
+ * Concurrency:
+ *   sp_tcache_init / _shutdown                  not concurrently with anything else
+ *   alloc, calloc, realloc, aligned_alloc,      any thread, concurrently with everything; a
+ *   free, free_sized, usable_size, trim,        block may be freed (or realloc'd) by any
+ *   thread_attach / _detach, status_local       thread, once
+ *   free_local                                  only by the thread whose cache allocated it
+ *   status                                      any thread; exact only while no other thread
+ *                                               allocates or frees (figures are read, not
+ *                                               locked, from caches that are running)
+ *
+ * Fibers: the calling thread's cache is read afresh on every call through SP_TLS_FRESH (an
+ * asm volatile read of the thread pointer with a memory clobber), never from an address a
+ * compiler kept across a call: a job that resumes on another worker uses that worker's cache.
+ *
+ * Bad input (every build, O(1)): free/realloc/usable_size of a pointer outside the heaps
+ * (SP_ERR_FOREIGN_POINTER), of an interior, misaligned or never-allocated pointer
+ * (SP_ERR_INVALID_POINTER), of a block already free (SP_ERR_DOUBLE_FREE) are reported through
+ * the logger with the call, the address and the owning thread when known, and change nothing.
+ * Large blocks are checked by the TLSF heap and reported as its calls (sp_tlsf_free, ...).
+ * Double frees are recognised by a tag (address ^ a per-process random key) written into the
+ * second word of a freed small block; a live block whose second word a user set to exactly
+ * that value would be refused as a double free.
+ *
+ * Sanitizers: with AddressSanitizer, or Valgrind tracking (SP_TRACK_VALGRIND), the inline fast
+ * paths below are replaced by calls, so that block state goes through alloc/track.h.
+ */
+#ifndef SP_TCACHE_H
+#define SP_TCACHE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "sp_log.h"
+#include "sp_platform.h"
+#include "sp_tlsf.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define SP_TCACHE_SPAN ((size_t)256 * 1024) /* span size and alignment */
+#define SP_TCACHE_MAX_CLASS_LIMIT ((size_t)64 * 1024)
+#define SP_TCACHE_CLASSES 80      /* 16..128 by 16 (8), then 8 per doubling up to 64 KiB (72) */
+#define SP_TCACHE_LOOKUP_MAX 1024 /* sizes up to this use the inline class table */
+
+typedef struct sp_tcache_desc {
+    void *region;        /* address space reserved by the caller (sp_vm_reserve, PROT_NONE),
+                            committed as the heaps grow; NULL: reserve our own */
+    size_t region_size;  /* bytes of region (0: 64 GiB when we reserve; at least 64 MiB) */
+    size_t max_class;    /* largest size served by classes (0: 32 KiB; at most 64 KiB;
+                            rounded up to a class size) */
+    uint32_t keep_empty; /* empty spans a cache keeps for reuse (0: 2) */
+} sp_tcache_desc;
+
+typedef struct sp_tcache_status {
+    /* Same figures as sp_tlsf_status, over everything the thread caches hand out. */
+    size_t bytes_used;     /* granted bytes of live blocks (class sizes; TLSF usable sizes) */
+    size_t bytes_free;     /* free bytes in spans held by caches, plus the large heap's */
+    size_t bytes_overhead; /* span headers and tails, TLSF overhead */
+    size_t largest_free;   /* largest request that surely succeeds without growing */
+    size_t live_blocks;
+    size_t free_blocks;   /* free small blocks in held spans (carved or not) */
+    size_t high_water;    /* peak bytes the caches and large blocks took from the heaps */
+    double fragmentation; /* as sp_tlsf_status, of the large heap */
+    /* Thread caches. */
+    size_t caches;           /* attached caches (status_local: 1 if attached) */
+    size_t spans;            /* spans held by caches (in use or kept empty) */
+    size_t spans_empty;      /* of which empty, kept for reuse */
+    size_t spans_orphaned;   /* spans of detached caches, waiting to be adopted */
+    size_t large_blocks;     /* live blocks from the large heap */
+    size_t remote_frees;     /* blocks pushed to another cache's inbox (cumulative) */
+    size_t remote_collected; /* blocks taken back from inboxes (cumulative) */
+    size_t remote_pending;   /* pushed, not yet taken back */
+    uint32_t class_count;    /* classes in use (max_class decides) */
+    uint32_t class_size[SP_TCACHE_CLASSES];
+    size_t class_live[SP_TCACHE_CLASSES]; /* live blocks per class */
+    sp_tlsf_status span_heap, large_heap; /* the two central heaps (status: only) */
+} sp_tcache_status;
+
+/* ---- lifecycle -------------------------------------------------------------------------- */
+
+/* Initialise with desc (NULL or zeroes: defaults). Reserves the region unless given, commits
+ * the first chunk of both heaps. Returns SP_OK, SP_ERR_INVALID_ARG (misuse: already
+ * initialised, region too small, max_class too large), SP_ERR_OS or SP_ERR_NOMEM. */
+sp_result sp_tcache_init(const sp_tcache_desc *desc);
+
+/* Detach the calling thread, return everything to the OS (release our reservation; a given
+ * region is decommitted), forget all state. Every other thread must be detached. Returns the
+ * number of blocks still live (0: no leak); their memory is gone. */
+size_t sp_tcache_shutdown(void);
+
+/* Give the calling thread a cache now (it gets one on its first allocation otherwise).
+ * Cost: one small block from the large heap, a registry lock. SP_OK, or SP_ERR_NOMEM. */
+sp_result sp_tcache_thread_attach(void);
+
+/* Hand the calling thread's cache back: inboxes collected, empty spans returned, spans with
+ * live blocks orphaned for adoption. Runs by itself at thread exit. No-op if not attached.
+ * The thread may allocate again afterwards (it attaches again). Cost: O(spans held). */
+void sp_tcache_thread_detach(void);
+
+/* Return every span that can be returned: the calling thread's empty spans (its inboxes
+ * collected first), empty orphaned spans (theirs collected). Returns the bytes returned to
+ * the central heap. Any thread; takes the orphan lock and heap lock. Cost: O(spans). */
+size_t sp_tcache_trim(void);
+
+/* ---- allocation: inline fast paths below, their out-of-line rest in tcache.c ------------- */
+
+/* void *sp_tcache_alloc(size_t size)              16-aligned; size 0 gives a unique block
+ * void  sp_tcache_free(void *p)                   NULL is a no-op; any thread
+ * void  sp_tcache_free_local(void *p)             p a small block (<= max_class) allocated
+ *                                                 by this thread's cache: skips the range
+ *                                                 check; the owner, interior and double-free
+ *                                                 checks stay. Anything else is undefined
+ * Cost: a few ns on the fast path; the slow path refills from inboxes, the span's unused tail,
+ * other spans of the class, kept empty spans, orphans, then the central heap (one lock).
+ * alloc returns NULL when the heaps cannot grow. */
+
+/* Zeroed array of n * size bytes; NULL on overflow or out of memory. */
+void *sp_tcache_calloc(size_t n, size_t size);
+
+/* Resize: in place while the class fits (or the TLSF block can), else alloc-copy-free.
+ * realloc(NULL, n) = alloc(n); realloc(p, 0) frees p and returns NULL. On failure NULL and
+ * p untouched; misuse as for free (reported under "sp_tcache_realloc"). */
+void *sp_tcache_realloc(void *p, size_t size);
+
+/* size bytes aligned to align (a power of two; up to 1 GiB). Up to 4 KiB served by classes
+ * whose blocks are aligned; more by the large heap. Non-power-of-two: SP_ERR_BAD_ALIGNMENT
+ * misuse, NULL. */
+void *sp_tcache_aligned_alloc(size_t align, size_t size);
+
+/* Usable bytes of a live block (>= what was asked for); 0 for NULL or bad pointers. */
+size_t sp_tcache_usable_size(const void *p);
+
+/* Free a block of known size (what was asked for, or up to its usable size). A size larger
+ * than the block is misuse (SP_ERR_INVALID_ARG; nothing freed). */
+void sp_tcache_free_sized(void *p, size_t size);
+
+/* The OS thread id (sp_thread_os_id) of the cache that owns p's span, 0 for large blocks,
+ * orphaned spans and pointers that are not live small blocks. For tests and diagnostics. */
+uint64_t sp_tcache_owner_thread(const void *p);
+
+/* Figures of the calling thread's cache (TLSF members zero). Cost: O(spans held). */
+void sp_tcache_status_local(sp_tcache_status *out);
+
+/* Figures of every cache, the orphans and both central heaps. Cost: O(spans); takes the
+ * registry lock, each cache's list lock, the orphan lock, the heap locks in turn. */
+void sp_tcache_status_get(sp_tcache_status *out);
+
+/* For the malloc drop-in (fork safety): take every global lock / release them in the parent /
+ * re-initialise them in the child. The child keeps only the forking thread's cache; spans of
+ * the other threads stay owned by caches that no longer run. */
+void sp_tcache_fork_prepare(void);
+void sp_tcache_fork_parent(void);
+void sp_tcache_fork_child(void);
+
+/* ---- layout the inline paths read (not API: may change with any release) ---------------- */
+
+typedef struct sp_tcache_block {
+    struct sp_tcache_block *next;
+    uintptr_t tag; /* address ^ key while free; 0 when handed out */
+} sp_tcache_block;
+
+/* The first part of every span header; the span starts at an SP_TCACHE_SPAN boundary. The
+ * first cache line is read by every free (any thread) and written only when the span changes
+ * hands or carves; the second is the owner's, written by every alloc and owner free: a remote
+ * free never pulls the owner's hot line away from it. */
+typedef struct sp_tcache_span {
+    uint32_t start;   /* offset of the first block */
+    uint32_t carved;  /* bytes from start cut into blocks so far */
+    uint32_t div_mul; /* exact-division test for the block size: off is a multiple iff */
+    uint32_t div_rot; /*   rotr32(off * div_mul, div_rot) <= div_max */
+    uint32_t div_max; /* (offset 24 keeps owner clear of a free TLSF block's links) */
+    uint32_t pad_;
+    struct sp_tcache *owner;            /* read by any thread (atomically); written by the owner */
+    _Alignas(64) sp_tcache_block *free; /* owner's free list */
+    uint32_t used;                      /* blocks handed out and not yet back with the owner */
+} sp_tcache_span;
+
+typedef struct sp_tcache {
+    /* cur[class_of[(size + 15) / 16]] for sizes up to SP_TCACHE_LOOKUP_MAX: the inline alloc
+     * goes from size to span without the class table. */
+    sp_tcache_span *direct[SP_TCACHE_LOOKUP_MAX / 16 + 1];
+    sp_tcache_span *cur[SP_TCACHE_CLASSES]; /* current span per class (a sentinel if none) */
+} sp_tcache;
+
+typedef struct sp_tcache_globals {
+    uintptr_t span_base;  /* the span heap's region */
+    uintptr_t span_bytes; /* committed bytes of it (grows; read atomically) */
+    uintptr_t key;        /* random: tags of free blocks */
+    uint8_t class_of[SP_TCACHE_LOOKUP_MAX / 16 + 1]; /* (size + 15) / 16 -> class */
+} sp_tcache_globals;
+
+extern sp_tcache_globals sp_tcache_g;
+extern _Thread_local sp_tcache *sp_tcache_tls __attribute__((tls_model("initial-exec")));
+
+void *sp_tcache_alloc_generic(size_t size);
+void sp_tcache_free_generic(void *p);
+void sp_tcache_span_emptied(sp_tcache_span *s);
+
+#if !defined(__has_feature)
+#define SP_TCACHE_HAS_FEATURE_(x) 0
+#else
+#define SP_TCACHE_HAS_FEATURE_(x) __has_feature(x)
+#endif
+#if defined(__SANITIZE_ADDRESS__) || SP_TCACHE_HAS_FEATURE_(address_sanitizer) ||                  \
+    (defined(SP_TRACK_VALGRIND) && SP_TRACK_VALGRIND) || !defined(SP_TLS_FRESH)
+#define SP_TCACHE_INLINE 0
+#else
+#define SP_TCACHE_INLINE 1
+#endif
+
+#if SP_TCACHE_INLINE
+/* The calling thread's cache, read afresh (see Fibers above). */
+static inline __attribute__((always_inline)) sp_tcache *sp_tcache_self(void) {
+    return *(sp_tcache **)SP_TLS_FRESH(sp_tcache_tls);
+}
+
+static inline __attribute__((always_inline)) void *sp_tcache_alloc(size_t size) {
+    sp_tcache *c = sp_tcache_self();
+    if (__builtin_expect(size <= SP_TCACHE_LOOKUP_MAX, 1)) {
+        sp_tcache_span *s = c->direct[(size + 15) >> 4];
+        sp_tcache_block *b = s->free;
+        if (__builtin_expect(b != NULL, 1)) {
+            s->free = b->next;
+            b->tag = 0;
+            __atomic_store_n(&s->used, s->used + 1, __ATOMIC_RELAXED);
+            return b;
+        }
+    }
+    return sp_tcache_alloc_generic(size);
+}
+
+static inline __attribute__((always_inline)) void sp_tcache_free_in_span_(sp_tcache *c, void *p) {
+    uintptr_t a = (uintptr_t)p;
+    sp_tcache_span *s = (sp_tcache_span *)(a & ~(uintptr_t)(SP_TCACHE_SPAN - 1));
+    sp_tcache_block *b = (sp_tcache_block *)p;
+    uint32_t off = (uint32_t)(a - (uintptr_t)s) - s->start;
+    uint32_t q = off * s->div_mul;
+    q = (q >> s->div_rot) | (q << ((32 - s->div_rot) & 31));
+    if (__builtin_expect(__atomic_load_n(&s->owner, __ATOMIC_RELAXED) == c && off < s->carved &&
+                             q <= s->div_max && b->tag != (a ^ sp_tcache_g.key),
+                         1)) {
+        b->next = s->free;
+        b->tag = a ^ sp_tcache_g.key;
+        s->free = b;
+        uint32_t used = s->used - 1;
+        __atomic_store_n(&s->used, used, __ATOMIC_RELAXED);
+        if (__builtin_expect(used == 0, 0)) sp_tcache_span_emptied(s);
+        return;
+    }
+    sp_tcache_free_generic(p);
+}
+
+static inline __attribute__((always_inline)) void sp_tcache_free(void *p) {
+    uintptr_t a = (uintptr_t)p;
+    if (__builtin_expect(a - sp_tcache_g.span_base <
+                             __atomic_load_n(&sp_tcache_g.span_bytes, __ATOMIC_RELAXED),
+                         1)) {
+        sp_tcache_free_in_span_(sp_tcache_self(), p);
+        return;
+    }
+    sp_tcache_free_generic(p);
+}
+
+static inline __attribute__((always_inline)) void sp_tcache_free_local(void *p) {
+    if (__builtin_expect(p != NULL, 1)) {
+        sp_tcache_free_in_span_(sp_tcache_self(), p);
+        return;
+    }
+    sp_tcache_free_generic(p);
+}
+#else
+static inline void *sp_tcache_alloc(size_t size) {
+    return sp_tcache_alloc_generic(size);
+}
+static inline void sp_tcache_free(void *p) {
+    sp_tcache_free_generic(p);
+}
+static inline void sp_tcache_free_local(void *p) {
+    sp_tcache_free_generic(p);
+}
+#endif
+
+#ifdef __cplusplus
+}
+#endif
+#endif

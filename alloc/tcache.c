@@ -1,0 +1,873 @@
+/* Thread caches (sp_tcache.h): the out-of-line rest of alloc and free, spans, attach/detach,
+ * orphans, the two central heaps and their growth. The inline fast paths live in the header;
+ * everything here runs when they miss, or in sanitizer builds, where it does the whole job
+ * and tells ASan/Valgrind about block state through track.h. Status and trim: tcache_status.c.
+ */
+#include <string.h>
+#include <threads.h>
+
+#include "tcache_heap.h"
+#include "tcache_internal.h"
+#include "track.h"
+
+sp_tcache_globals sp_tcache_g;
+tcache_state tc;
+
+/* The sentinel stands in for "no current span": its free list is always empty. */
+span tcache_sentinel;
+#define S1 &tcache_sentinel.pub
+#define S8 S1, S1, S1, S1, S1, S1, S1, S1
+#define S80 S8, S8, S8, S8, S8, S8, S8, S8, S8, S8
+_Static_assert(SP_TCACHE_CLASSES == 80, "S80 initialises every class");
+
+/* What an unattached thread's pointer points at: every class misses into the slow path. */
+#define S65 S8, S8, S8, S8, S8, S8, S8, S8, S1
+_Static_assert(SP_TCACHE_LOOKUP_MAX / 16 + 1 == 65, "S65 initialises every direct entry");
+static cache unattached = {.pub = {.direct = {S65}, .cur = {S80}}};
+
+_Thread_local sp_tcache *sp_tcache_tls __attribute__((tls_model("initial-exec"))) = &unattached.pub;
+/* Set once the thread-exit hook has run: later calls (other destructors, libc's own) use the
+ * shared fallback cache under its lock instead of attaching again. */
+static _Thread_local bool tls_exited;
+
+/* ---- size classes ------------------------------------------------------------------------ */
+
+uint32_t tcache_class_size(uint32_t k) {
+    if (k < 8) return 16 * (k + 1);
+    uint32_t g = (k - 8) / 8, j = (k - 8) % 8;
+    return (128u << g) + (j + 1) * (16u << g);
+}
+
+uint32_t tcache_class_of(size_t n) {
+    if (n <= 128) return n ? (uint32_t)((n + 15) / 16 - 1) : 0;
+    uint32_t m = 63 - (uint32_t)__builtin_clzll((unsigned long long)(n - 1)); /* floor log2 */
+    uint32_t g = m - 7;
+    return 8 + 8 * g + (uint32_t)((n - 1) >> (g + 4)) - 8;
+}
+
+/* Offset of the first block: pow2 classes from 512 B on start aligned to min(size, 4 KiB), so
+ * that aligned_alloc can use them; the rest after the header. */
+static uint32_t class_start(uint32_t bs) {
+    if ((bs & (bs - 1)) == 0 && bs >= 512) return bs < 4096 ? bs : 4096;
+    return SPAN_HEADER;
+}
+
+static void classes_init(uint32_t max_class) {
+    tc.class_count = tcache_class_of(max_class) + 1;
+    tc.max_class = tcache_class_size(tc.class_count - 1);
+    for (uint32_t i = 0; i < SP_ARRAY_LEN(sp_tcache_g.class_of); i++) {
+        size_t n = (size_t)i * 16;
+        /* Too large for a class: a class index no cache ever fills (always the sentinel). */
+        sp_tcache_g.class_of[i] =
+            (uint8_t)(n <= tc.max_class ? tcache_class_of(n) : SP_TCACHE_CLASSES - 1);
+    }
+}
+
+/* ---- spans ------------------------------------------------------------------------------- */
+
+static uintptr_t span_magic(const span *s) {
+    return (uintptr_t)s ^ sp_tcache_g.key ^ (uintptr_t)0x5350414e5350414eull;
+}
+
+/* Exact division test constants for d = d0 * 2^r (d0 odd): n % d == 0 iff
+ * rotr32(n * inverse(d0), r) <= UINT32_MAX / d. */
+static void span_divisor(span *s, uint32_t d) {
+    uint32_t r = (uint32_t)__builtin_ctz(d), d0 = d >> r, x = d0;
+    for (int i = 0; i < 5; i++) x *= 2 - d0 * x; /* Newton: inverse mod 2^32 */
+    s->pub.div_mul = x;
+    s->pub.div_rot = r;
+    s->pub.div_max = UINT32_MAX / d;
+}
+
+/* Turn s (fresh from the heap, empty or adopted-empty) into an empty span of class k owned by
+ * c. The block area becomes allocator-internal for the sanitizers. */
+TRACK_INTERNAL static void span_format(span *s, cache *c, uint32_t k) {
+    uint32_t bs = tcache_class_size(k);
+    s->pub.free = NULL;
+    __atomic_store_n(&s->pub.used, 0, __ATOMIC_RELAXED);
+    s->pub.start = class_start(bs);
+    __atomic_store_n(&s->pub.carved, 0, __ATOMIC_RELAXED);
+    span_divisor(s, bs);
+    s->cls = k;
+    s->block_size = bs;
+    s->capacity = (uint32_t)((SP_TCACHE_SPAN - SPAN_TAIL - s->pub.start) / bs);
+    s->next = s->prev = NULL;
+    atomic_store_explicit(&s->inbox, 0, memory_order_relaxed);
+    s->magic = span_magic(s);
+    __atomic_store_n(&s->owner_tid, c ? c->tid : 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&s->pub.owner, c ? &c->pub : NULL, __ATOMIC_RELEASE);
+    track_pool((char *)s + s->pub.start, SP_TCACHE_SPAN - SPAN_TAIL - s->pub.start);
+}
+
+/* Cut up to a page worth of blocks (at least one) from the uncarved tail onto the free list.
+ * Returns false when the span is fully carved. */
+TRACK_INTERNAL static bool span_carve(span *s) {
+    uint32_t bs = s->block_size, carved = s->pub.carved;
+    uint32_t left = s->capacity - carved / bs;
+    if (left == 0) return false;
+    uint32_t n = 4096 / bs;
+    if (n == 0) n = 1;
+    if (n > left) n = left;
+    char *first = (char *)s + s->pub.start + carved;
+    sp_tcache_block *head = s->pub.free;
+    for (uint32_t i = n; i-- > 0;) {
+        sp_tcache_block *b = (sp_tcache_block *)(first + (size_t)i * bs);
+        b->next = head;
+        b->tag = (uintptr_t)b ^ sp_tcache_g.key; /* carved blocks count as free */
+        head = b;
+    }
+    s->pub.free = head;
+    __atomic_store_n(&s->pub.carved, carved + n * bs, __ATOMIC_RELAXED);
+    return true;
+}
+
+/* Take the whole inbox onto the free list. Owner (or orphan-lock holder) only. Returns the
+ * number of blocks taken; c (may be NULL) counts them. The list is walked only when the free
+ * list is not empty (to append); the count comes with the list. */
+TRACK_INTERNAL uint32_t span_collect(span *s, cache *c) {
+    if (atomic_load_explicit(&s->inbox, memory_order_relaxed) == 0) return 0;
+    uintptr_t v = atomic_exchange_explicit(&s->inbox, 0, memory_order_acquire);
+    sp_tcache_block *list = (sp_tcache_block *)(v & (((uintptr_t)1 << INBOX_BITS) - 1));
+    uint32_t n = (uint32_t)(v >> INBOX_BITS);
+    if (!list) return 0;
+    if (s->pub.free) {
+        sp_tcache_block *tail = list;
+        while (tail->next) tail = tail->next;
+        tail->next = s->pub.free;
+    }
+    s->pub.free = list;
+    SP_INVARIANT(n <= s->pub.used, "span_collect", s);
+    __atomic_store_n(&s->pub.used, s->pub.used - n, __ATOMIC_RELAXED);
+    if (c)
+        __atomic_store_n(&c->remote_collected, c->remote_collected + n, __ATOMIC_RELAXED);
+    else
+        atomic_fetch_add_explicit(&tc.orphan_collected, n, memory_order_relaxed);
+    return n;
+}
+
+static bool span_has_room(span *s) {
+    return s->pub.free != NULL || s->pub.carved / s->block_size < s->capacity ||
+           atomic_load_explicit(&s->inbox, memory_order_relaxed) != 0;
+}
+
+/* A new span from the central span heap, formatted for class k; NULL if the heap cannot grow. */
+static span *span_new(cache *c, uint32_t k) {
+    span *s = heap_alloc(&tc.spans, SP_TCACHE_SPAN, SP_TCACHE_SPAN - SPAN_TAIL);
+    if (s) {
+        track_subpool_begin(s, SP_TCACHE_SPAN - SPAN_TAIL);
+        span_format(s, c, k);
+    }
+    return s;
+}
+
+/* Give an empty span back to the central heap. */
+TRACK_INTERNAL void span_release(span *s) {
+    SP_INVARIANT(s->pub.used == 0, "span_release", s);
+    track_release((char *)s + s->pub.start, SP_TCACHE_SPAN - SPAN_TAIL - s->pub.start);
+    s->magic = 0;
+    __atomic_store_n(&s->pub.owner, NULL, __ATOMIC_RELAXED);
+    track_subpool_end(s, SP_TCACHE_SPAN - SPAN_TAIL);
+    heap_free(&tc.spans, s);
+}
+
+/* ---- a cache's lists (changes under c->lock: status readers walk them) ------------------- */
+
+static void ring_insert(cache *c, span *s) {
+    span **head = &c->ring[s->cls];
+    if (!*head) {
+        s->next = s->prev = s;
+        *head = s;
+        return;
+    }
+    s->next = *head;
+    s->prev = (*head)->prev;
+    s->prev->next = s;
+    (*head)->prev = s;
+}
+
+static void ring_remove(cache *c, span *s) {
+    span **head = &c->ring[s->cls];
+    if (s->next == s) {
+        *head = NULL;
+    } else {
+        s->prev->next = s->next;
+        s->next->prev = s->prev;
+        if (*head == s) *head = s->next;
+    }
+    s->next = s->prev = NULL;
+}
+
+/* Set cur[k] and the direct entries of the sizes in class k (list lock held, or the cache
+ * not yet visible). */
+void tcache_set_cur(cache *c, uint32_t k, span *s) {
+    c->pub.cur[k] = &s->pub;
+    for (uint32_t i = 0; i < SP_ARRAY_LEN(c->pub.direct); i++)
+        if (sp_tcache_g.class_of[i] == k) c->pub.direct[i] = &s->pub;
+}
+
+/* Make s the current span of its class; the old one (if any) joins the ring. */
+static void make_current(cache *c, span *s, bool from_ring) {
+    uint32_t k = s->cls;
+    sp_mutex_lock(&c->lock);
+    if (from_ring) ring_remove(c, s);
+    span *old = (span *)c->pub.cur[k];
+    if (old != &tcache_sentinel) ring_insert(c, old);
+    tcache_set_cur(c, k, s);
+    sp_mutex_unlock(&c->lock);
+}
+
+/* Look at up to SCAN spans of the ring (rotating it) for one with free blocks. */
+static span *ring_scan(cache *c, uint32_t k) {
+    enum { SCAN = 8 };
+    if (!c->ring[k]) return NULL;
+    span *found = NULL;
+    sp_mutex_lock(&c->lock);
+    for (int i = 0; i < SCAN && !found; i++) {
+        span *s = c->ring[k];
+        if (span_has_room(s))
+            found = s;
+        else
+            c->ring[k] = s->next;
+    }
+    sp_mutex_unlock(&c->lock);
+    return found;
+}
+
+static span *empty_take(cache *c, uint32_t k) {
+    span *s = c->empty;
+    if (!s) return NULL;
+    sp_mutex_lock(&c->lock);
+    c->empty = s->next;
+    c->empty_count--;
+    sp_mutex_unlock(&c->lock);
+    if (s->cls != k) {
+        span_format(s, c, k);
+    } else {
+        s->next = s->prev = NULL;
+    }
+    return s;
+}
+
+/* Adopt an orphaned span of class k (collecting its inbox); NULL if there is none. */
+static span *orphan_adopt(cache *c, uint32_t k) {
+    if (atomic_load_explicit(&tc.orphan_count[k], memory_order_relaxed) == 0) return NULL;
+    sp_mutex_lock(&tc.orphan_lock);
+    span *s = tc.orphans[k];
+    if (s) {
+        tc.orphans[k] = s->next;
+        atomic_fetch_sub_explicit(&tc.orphan_count[k], 1, memory_order_relaxed);
+    }
+    sp_mutex_unlock(&tc.orphan_lock);
+    if (!s) return NULL;
+    s->next = s->prev = NULL;
+    __atomic_store_n(&s->owner_tid, c->tid, __ATOMIC_RELAXED);
+    __atomic_store_n(&s->pub.owner, &c->pub, __ATOMIC_RELEASE);
+    span_collect(s, c);
+    return s;
+}
+
+static void orphan_push(span *s) {
+    __atomic_store_n(&s->pub.owner, NULL, __ATOMIC_RELEASE);
+    __atomic_store_n(&s->owner_tid, 0, __ATOMIC_RELAXED);
+    s->prev = NULL;
+    sp_mutex_lock(&tc.orphan_lock);
+    s->next = tc.orphans[s->cls];
+    tc.orphans[s->cls] = s;
+    atomic_fetch_add_explicit(&tc.orphan_count[s->cls], 1, memory_order_relaxed);
+    sp_mutex_unlock(&tc.orphan_lock);
+}
+
+/* ---- the slow path of alloc ------------------------------------------------------------- */
+
+/* A block of class k from cache c when cur[k]'s free list is empty. NULL: out of memory. */
+TRACK_INTERNAL static sp_tcache_block *class_refill(cache *c, uint32_t k) {
+    span *s = (span *)c->pub.cur[k];
+    if (s != &tcache_sentinel && (span_collect(s, c) || span_carve(s))) return s->pub.free;
+    bool from_ring = true;
+    span *t = ring_scan(c, k);
+    if (t) {
+        span_collect(t, c);
+        if (!t->pub.free) span_carve(t);
+    } else {
+        from_ring = false;
+        t = empty_take(c, k);
+        if (!t) {
+            t = orphan_adopt(c, k);
+            if (t && !t->pub.free && !span_carve(t)) {
+                sp_mutex_lock(&c->lock); /* full: keep it on the ring, take a new one */
+                ring_insert(c, t);
+                sp_mutex_unlock(&c->lock);
+                t = NULL;
+            }
+        }
+        if (!t) t = span_new(c, k);
+        if (!t) return NULL;
+        if (!t->pub.free) span_carve(t);
+    }
+    make_current(c, t, from_ring);
+    return t->pub.free;
+}
+
+/* Pop a block of class k from c (refilling as needed). */
+TRACK_INTERNAL static void *class_alloc(cache *c, uint32_t k) {
+    span *s = (span *)c->pub.cur[k];
+    sp_tcache_block *b = s->pub.free;
+    if (SP_UNLIKELY(!b)) {
+        b = class_refill(c, k);
+        if (!b) return NULL;
+        s = (span *)c->pub.cur[k];
+    }
+    s->pub.free = b->next;
+    b->tag = 0;
+    __atomic_store_n(&s->pub.used, s->pub.used + 1, __ATOMIC_RELAXED);
+    track_malloc(b, s->block_size, 0);
+    return b;
+}
+
+/* ---- attach / detach --------------------------------------------------------------------- */
+
+static void registry_add(cache *c) {
+    sp_mutex_lock(&tc.reg_lock);
+    c->reg_prev = NULL;
+    c->reg_next = tc.registry;
+    if (tc.registry) tc.registry->reg_prev = c;
+    tc.registry = c;
+    tc.cache_count++;
+    c->registered = true;
+    sp_mutex_unlock(&tc.reg_lock);
+}
+
+static void registry_remove(cache *c) {
+    sp_mutex_lock(&tc.reg_lock);
+    if (c->reg_prev)
+        c->reg_prev->reg_next = c->reg_next;
+    else
+        tc.registry = c->reg_next;
+    if (c->reg_next) c->reg_next->reg_prev = c->reg_prev;
+    tc.cache_count--;
+    c->registered = false;
+    tc.retired_remote_frees += c->remote_frees;
+    tc.retired_collected += c->remote_collected;
+    sp_mutex_unlock(&tc.reg_lock);
+}
+
+void tcache_cache_init(cache *c, uint64_t tid) {
+    memset(c, 0, sizeof *c);
+    for (uint32_t k = 0; k < SP_TCACHE_CLASSES; k++) c->pub.cur[k] = &tcache_sentinel.pub;
+    for (uint32_t i = 0; i < SP_ARRAY_LEN(c->pub.direct); i++)
+        c->pub.direct[i] = &tcache_sentinel.pub;
+    c->tid = tid;
+}
+
+sp_tcache *tcache_create(void) {
+    if (!tcache_ready()) return NULL;
+    /* A cache record gets a span of its own (one page of it is touched), after a zeroed
+     * header: a user's stale or forged free into it fails the magic check, where a record in
+     * the large heap could be freed by a stale large pointer that happened to match it. */
+    char *rec = heap_alloc(&tc.spans, SP_TCACHE_SPAN, SP_TCACHE_SPAN - SPAN_TAIL);
+    if (!rec) return NULL;
+    memset(rec, 0, SPAN_HEADER);
+    cache *c = (cache *)(rec + SPAN_HEADER);
+    tcache_cache_init(c, sp_thread_os_id());
+    registry_add(c);
+    return &c->pub;
+}
+
+/* Hand back every span of c: empty ones to the heap, the rest to the orphan lists. */
+void tcache_cache_drain(cache *c) {
+    for (uint32_t k = 0; k < SP_TCACHE_CLASSES; k++) {
+        span *cur = (span *)c->pub.cur[k];
+        sp_mutex_lock(&c->lock);
+        tcache_set_cur(c, k, &tcache_sentinel);
+        span *ring = c->ring[k];
+        c->ring[k] = NULL;
+        sp_mutex_unlock(&c->lock);
+        if (ring) ring->prev->next = NULL; /* open the circle */
+        if (cur != &tcache_sentinel) {
+            cur->next = ring;
+            ring = cur;
+        }
+        while (ring) {
+            span *s = ring;
+            ring = s->next;
+            span_collect(s, c);
+            if (s->pub.used == 0)
+                span_release(s);
+            else
+                orphan_push(s);
+        }
+    }
+    tcache_empty_release(c);
+}
+
+/* Return c's kept empty spans to the central heap; returns their bytes. */
+size_t tcache_empty_release(cache *c) {
+    sp_mutex_lock(&c->lock);
+    span *e = c->empty;
+    c->empty = NULL;
+    c->empty_count = 0;
+    sp_mutex_unlock(&c->lock);
+    size_t bytes = 0;
+    while (e) {
+        span *s = e;
+        e = s->next;
+        span_release(s);
+        bytes += SP_TCACHE_SPAN;
+    }
+    return bytes;
+}
+
+void tcache_destroy(sp_tcache *pc) {
+    cache *c = (cache *)pc;
+    if (!c || c == &unattached || c == &tc.fallback) return;
+    track_enter();
+    tcache_cache_drain(c); /* still registered: its collections are counted */
+    track_leave();
+    registry_remove(c);
+    heap_free(&tc.spans, (char *)c - SPAN_HEADER);
+}
+
+sp_tcache *tcache_bind(sp_tcache *c) {
+    sp_tcache *old = sp_tcache_tls;
+    sp_tcache_tls = c ? c : &unattached.pub;
+    return old;
+}
+
+/* Thread exit (C11 tss destructor): detach, and route later calls to the fallback cache. */
+static void thread_exit(void *arg) {
+    (void)arg;
+    sp_tcache_thread_detach();
+    tls_exited = true;
+}
+
+sp_result sp_tcache_thread_attach(void) {
+    if (sp_tcache_tls != &unattached.pub) return SP_OK;
+    if (!tcache_ready()) return SP_ERR_NOMEM;
+    sp_tcache *c = tcache_create();
+    if (!c) return SP_ERR_NOMEM;
+    sp_tcache_tls = c;
+    tls_exited = false;
+    if (tc.tss_ok) tss_set(tc.tss, c);
+    return SP_OK;
+}
+
+void sp_tcache_thread_detach(void) {
+    sp_tcache *c = sp_tcache_tls;
+    if (c == &unattached.pub) return;
+    sp_tcache_tls = &unattached.pub;
+    if (tc.tss_ok) tss_set(tc.tss, NULL);
+    tcache_destroy(c);
+}
+
+/* The cache to use on the calling thread, attaching it if needed; *locked: it is the shared
+ * fallback (exited thread, or no memory for a cache of its own), whose lock is now held. */
+static cache *cache_get(bool *locked) {
+    *locked = false;
+    cache *c = (cache *)sp_tcache_tls;
+    if (SP_LIKELY(c != &unattached)) return c;
+    if (!tls_exited && sp_tcache_thread_attach() == SP_OK) return (cache *)sp_tcache_tls;
+    if (!tcache_ready()) return NULL;
+    sp_mutex_lock(&tc.fallback_lock);
+    *locked = true;
+    return &tc.fallback;
+}
+
+static void cache_put(bool locked) {
+    if (locked) sp_mutex_unlock(&tc.fallback_lock);
+}
+
+/* ---- alloc ------------------------------------------------------------------------------ */
+
+/* A block of size bytes aligned to align (a power of two); NULL when out of memory. */
+TRACK_INTERNAL static void *block_alloc(size_t size, size_t align) {
+    if (!tcache_ready()) return NULL;
+    uint32_t k = SP_TCACHE_CLASSES;
+    size_t want = size > align ? size : align;
+    if (want <= tc.max_class && align <= 4096) {
+        k = tcache_class_of(want);
+        if (align > 16) /* the first class whose blocks are all aligned */
+            while (k < tc.class_count &&
+                   (tcache_class_size(k) % align || class_start(tcache_class_size(k)) % align))
+                k++;
+        if (k >= tc.class_count) k = SP_TCACHE_CLASSES;
+    }
+    if (k == SP_TCACHE_CLASSES) return heap_alloc(&tc.large, align, size);
+    bool locked;
+    cache *c = cache_get(&locked);
+    if (!c) return NULL;
+    void *p = class_alloc(c, k);
+    cache_put(locked);
+    return p;
+}
+
+TRACK_INTERNAL void *sp_tcache_alloc_generic(size_t size) {
+    track_enter();
+    void *p = block_alloc(size, 16);
+    track_leave();
+    return p;
+}
+
+void *sp_tcache_calloc(size_t n, size_t size) {
+    size_t bytes;
+    if (__builtin_mul_overflow(n, size, &bytes)) return NULL;
+    void *p = sp_tcache_alloc(bytes);
+    if (p) memset(p, 0, bytes);
+    return p;
+}
+
+void *sp_tcache_aligned_alloc(size_t align, size_t size) {
+    if (!sp_is_pow2(align) || align > ((size_t)1 << 30)) {
+        sp_misuse(SP_ERR_BAD_ALIGNMENT, "sp_tcache_aligned_alloc", (void *)align,
+                  "alignment %zu is not a power of two up to 1 GiB", align);
+        return NULL;
+    }
+    if (align <= 16) return sp_tcache_alloc(size);
+    track_enter();
+    void *p = block_alloc(size, align);
+    track_leave();
+    return p;
+}
+
+/* ---- free ------------------------------------------------------------------------------- */
+
+/* Check that p is a live block of span s (every build). Reports misuse under `call` and
+ * returns false otherwise. */
+TRACK_INTERNAL bool tcache_block_check(span *s, const void *p, const char *call) {
+    uintptr_t a = (uintptr_t)p;
+    if (s->magic != span_magic(s))
+        return sp_misuse(SP_ERR_INVALID_POINTER, call, p,
+                         "%p lies in the span heap but in no span in use", p),
+               false;
+    uint64_t tid = __atomic_load_n(&s->owner_tid, __ATOMIC_RELAXED);
+    uint32_t off = (uint32_t)(a - (uintptr_t)s) - s->pub.start, q = off * s->pub.div_mul;
+    q = (q >> s->pub.div_rot) | (q << ((32 - s->pub.div_rot) & 31));
+    if (off >= __atomic_load_n(&s->pub.carved, __ATOMIC_RELAXED) || q > s->pub.div_max)
+        return sp_misuse(SP_ERR_INVALID_POINTER, call, p,
+                         "%p is not the start of a block (class %u, %u-byte blocks, span of "
+                         "thread %llu)",
+                         p, s->cls, s->block_size, (unsigned long long)tid),
+               false;
+    const sp_tcache_block *b = p;
+    uintptr_t tag = b->tag;
+    track_value_defined(&tag, sizeof tag);
+    if (tag == (a ^ sp_tcache_g.key))
+        return sp_misuse(SP_ERR_DOUBLE_FREE, call, p,
+                         "%p is already free (%u-byte block, span of thread %llu%s)", p,
+                         s->block_size, (unsigned long long)tid, tid ? "" : ": orphaned"),
+               false;
+    return true;
+}
+
+/* Owner-local free of a checked block. */
+TRACK_INTERNAL static void block_free_owner(cache *c, span *s, sp_tcache_block *b) {
+    track_free(b, s->block_size);
+    b->tag = (uintptr_t)b ^ sp_tcache_g.key;
+    b->next = s->pub.free;
+    s->pub.free = b;
+    uint32_t used = s->pub.used - 1;
+    __atomic_store_n(&s->pub.used, used, __ATOMIC_RELAXED);
+    if (used == 0) tcache_span_emptied(c, s);
+}
+
+/* Any-thread free of a checked block: a push onto the span's inbox. */
+TRACK_INTERNAL static void block_free_remote(cache *c, span *s, sp_tcache_block *b) {
+    track_free(b, s->block_size);
+    b->tag = (uintptr_t)b ^ sp_tcache_g.key;
+    uintptr_t old = atomic_load_explicit(&s->inbox, memory_order_relaxed), next;
+    do {
+        b->next = (sp_tcache_block *)(old & (((uintptr_t)1 << INBOX_BITS) - 1));
+        next = (uintptr_t)b | (((old >> INBOX_BITS) + 1) << INBOX_BITS);
+    } while (!atomic_compare_exchange_weak_explicit(&s->inbox, &old, next, memory_order_release,
+                                                    memory_order_relaxed));
+    if (c && c != &unattached)
+        __atomic_store_n(&c->remote_frees, c->remote_frees + 1, __ATOMIC_RELAXED);
+    else
+        atomic_fetch_add_explicit(&tc.unattached_remote_frees, 1, memory_order_relaxed);
+}
+
+/* Where p lives. */
+typedef enum where { IN_NONE, IN_SPANS, IN_LARGE } where;
+
+static where tcache_where(const void *p) {
+    uintptr_t a = (uintptr_t)p;
+    if (a - tc.spans.base < atomic_load_explicit(&tc.spans.committed, memory_order_acquire))
+        return IN_SPANS;
+    if (a - tc.large.base < atomic_load_explicit(&tc.large.committed, memory_order_acquire))
+        return IN_LARGE;
+    return IN_NONE;
+}
+
+/* Free p (any kind) under `call`. Returns false if p was refused. */
+TRACK_INTERNAL static bool block_free(void *p, const char *call) {
+    switch (tcache_where(p)) {
+    case IN_SPANS: {
+        span *s = (span *)((uintptr_t)p & ~(uintptr_t)(SP_TCACHE_SPAN - 1));
+        if (!tcache_block_check(s, p, call)) return false;
+        cache *self = (cache *)sp_tcache_tls;
+        if (self == &unattached && tls_exited) {
+            /* An exited thread: the fallback may own the span. */
+            sp_mutex_lock(&tc.fallback_lock);
+            if (__atomic_load_n(&s->pub.owner, __ATOMIC_ACQUIRE) == &tc.fallback.pub)
+                block_free_owner(&tc.fallback, s, p);
+            else
+                block_free_remote(NULL, s, p);
+            sp_mutex_unlock(&tc.fallback_lock);
+            return true;
+        }
+        if (self == &unattached && sp_tcache_thread_attach() == SP_OK)
+            self = (cache *)sp_tcache_tls; /* counts its remote frees from now on */
+        if (__atomic_load_n(&s->pub.owner, __ATOMIC_RELAXED) == &self->pub)
+            block_free_owner(self, s, p);
+        else
+            block_free_remote(self, s, p);
+        return true;
+    }
+    case IN_LARGE: return heap_free(&tc.large, p);
+    default:
+        if (tcache_ready())
+            sp_misuse(SP_ERR_FOREIGN_POINTER, call, p, "%p was not allocated by the thread caches",
+                      p);
+        else
+            sp_misuse(SP_ERR_FOREIGN_POINTER, call, p, "%p: the thread caches are not initialised",
+                      p);
+        return false;
+    }
+}
+
+TRACK_INTERNAL void sp_tcache_free_generic(void *p) {
+    if (!p) return;
+    track_enter();
+    block_free(p, "sp_tcache_free");
+    track_leave();
+}
+
+void sp_tcache_free_sized(void *p, size_t size) {
+    if (!p) return;
+    size_t usable = sp_tcache_usable_size(p);
+    if (usable == 0) return; /* reported */
+    if (size > usable) {
+        sp_misuse(SP_ERR_INVALID_ARG, "sp_tcache_free_sized", p,
+                  "%p freed with size %zu, but its block holds %zu bytes", p, size, usable);
+        return;
+    }
+    sp_tcache_free(p);
+}
+
+/* Called by the owner when a free made its span empty (inline path or block_free_owner). */
+void tcache_span_emptied(cache *c, span *s) {
+    if ((span *)c->pub.cur[s->cls] == s) return; /* the current span stays: no ping-pong */
+    sp_mutex_lock(&c->lock);
+    ring_remove(c, s);
+    bool keep = c->empty_count < tc.keep_empty;
+    if (keep) {
+        s->next = c->empty;
+        c->empty = s;
+        c->empty_count++;
+    }
+    sp_mutex_unlock(&c->lock);
+    if (!keep) span_release(s);
+}
+
+void sp_tcache_span_emptied(sp_tcache_span *s) {
+    tcache_span_emptied((cache *)__atomic_load_n(&s->owner, __ATOMIC_RELAXED), (span *)s);
+}
+
+/* ---- queries, realloc -------------------------------------------------------------------- */
+
+/* Usable size of p under `call`: 0 (reported) if p is not a live block. */
+TRACK_INTERNAL static size_t block_usable(const void *p, const char *call) {
+    switch (tcache_where(p)) {
+    case IN_SPANS: {
+        span *s = (span *)((uintptr_t)p & ~(uintptr_t)(SP_TCACHE_SPAN - 1));
+        return tcache_block_check(s, p, call) ? s->block_size : 0;
+    }
+    case IN_LARGE: return heap_usable(&tc.large, p);
+    default:
+        sp_misuse(SP_ERR_FOREIGN_POINTER, call, p, "%p was not allocated by the thread caches", p);
+        return 0;
+    }
+}
+
+TRACK_INTERNAL size_t sp_tcache_usable_size(const void *p) {
+    if (!p) return 0;
+    track_enter();
+    size_t n = block_usable(p, "sp_tcache_usable_size");
+    track_leave();
+    return n;
+}
+
+TRACK_INTERNAL uint64_t sp_tcache_owner_thread(const void *p) {
+    if (!p || tcache_where(p) != IN_SPANS) return 0;
+    track_enter();
+    span *s = (span *)((uintptr_t)p & ~(uintptr_t)(SP_TCACHE_SPAN - 1));
+    uint64_t tid = s->magic == span_magic(s) ? __atomic_load_n(&s->owner_tid, __ATOMIC_RELAXED) : 0;
+    track_leave();
+    return tid;
+}
+
+void *sp_tcache_realloc(void *p, size_t size) {
+    if (!p) return sp_tcache_alloc(size);
+    if (size == 0) {
+        track_enter();
+        block_free(p, "sp_tcache_realloc");
+        track_leave();
+        return NULL;
+    }
+    track_enter();
+    size_t usable = block_usable(p, "sp_tcache_realloc");
+    bool large = usable && tcache_where(p) == IN_LARGE;
+    track_leave();
+    if (!usable) return NULL;
+    if (!large && size <= usable && size >= usable / 2) return p;
+    if (large && size > tc.max_class) {
+        void *q = heap_realloc(&tc.large, p, size);
+        if (q) return q;
+    }
+    void *q = sp_tcache_alloc(size);
+    if (!q) return NULL;
+    memcpy(q, p, size < usable ? size : usable);
+    sp_tcache_free(p);
+    return q;
+}
+
+/* ---- init, shutdown --------------------------------------------------------------------- */
+
+static uintptr_t key_make(void) {
+    uint64_t x =
+        sp_ticks() ^ (uint64_t)(uintptr_t)&x ^ ((uint64_t)(uintptr_t)&tc << 17) ^ sp_thread_os_id();
+    x += 0x9e3779b97f4a7c15u;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9u;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebu;
+    x ^= x >> 31;
+    return (uintptr_t)(x | 1); /* never 0: a tag of 0 means "handed out" */
+}
+
+static sp_result init_locked(const sp_tcache_desc *desc) {
+    sp_tcache_desc d = desc ? *desc : (sp_tcache_desc){0};
+    if (d.max_class == 0) d.max_class = 32 * 1024;
+    if (d.max_class > SP_TCACHE_MAX_CLASS_LIMIT)
+        return sp_misuse(SP_ERR_INVALID_ARG, "sp_tcache_init", NULL, "max_class %zu is above %zu",
+                         d.max_class, SP_TCACHE_MAX_CLASS_LIMIT);
+    if (d.keep_empty == 0) d.keep_empty = 2;
+    size_t min_region = (size_t)64 << 20;
+    if (d.region && d.region_size < min_region)
+        return sp_misuse(SP_ERR_INVALID_ARG, "sp_tcache_init", d.region,
+                         "region of %zu bytes is below 64 MiB", d.region_size);
+    if (!d.region && d.region_size == 0) d.region_size = (size_t)64 << 30;
+    if (d.region_size < min_region) d.region_size = min_region;
+    d.region_size &= ~(SP_TCACHE_SPAN * 2 - 1);
+    void *region = d.region;
+    if (!region) {
+        /* Address space can be limited (ulimit -v, Valgrind): halve down to 1 GiB. The
+         * refusals are logged by the platform layer at warn level. */
+        region = sp_vm_reserve(d.region_size, SP_TCACHE_SPAN, false, NULL);
+        while (!region && d.region_size > ((size_t)1 << 30)) {
+            d.region_size /= 2;
+            region = sp_vm_reserve(d.region_size, SP_TCACHE_SPAN, false, NULL);
+        }
+        if (!region) return SP_ERR_OS;
+    } else if ((uintptr_t)region & (SP_TCACHE_SPAN - 1)) {
+        return sp_misuse(SP_ERR_INVALID_ARG, "sp_tcache_init", region,
+                         "region %p is not aligned to %zu bytes", region, SP_TCACHE_SPAN);
+    }
+    if (((uintptr_t)region + d.region_size) >> INBOX_BITS) {
+        if (!d.region) sp_vm_release(region, d.region_size);
+        return sp_misuse(SP_ERR_INVALID_ARG, "sp_tcache_init", region,
+                         "region %p ends above 2^%d (inbox tags use the bits above)", region,
+                         (int)INBOX_BITS);
+    }
+    tc.region = region;
+    tc.region_size = d.region_size;
+    tc.own_region = !d.region;
+    tc.keep_empty = d.keep_empty;
+    sp_tcache_g.key = key_make();
+    classes_init((uint32_t)d.max_class);
+    size_t half = d.region_size / 2;
+    sp_result r = heap_open(&tc.spans, "tcache spans", (char *)region, half);
+    if (r == SP_OK) r = heap_open(&tc.large, "tcache large", (char *)region + half, half);
+    if (r != SP_OK) {
+        if (tc.own_region) sp_vm_release(region, d.region_size);
+        memset(&tc.spans, 0, sizeof tc.spans);
+        memset(&tc.large, 0, sizeof tc.large);
+        return r;
+    }
+    sp_tcache_g.span_base = tc.spans.base;
+    tcache_cache_init(&tc.fallback, 0);
+    tc.tss_ok = tss_create(&tc.tss, thread_exit) == thrd_success;
+    atomic_store_explicit(&tc.ready, true, memory_order_release);
+    return SP_OK;
+}
+
+sp_result sp_tcache_init(const sp_tcache_desc *desc) {
+    sp_mutex_lock(&tc.init_lock);
+    sp_result r;
+    if (atomic_load_explicit(&tc.ready, memory_order_relaxed))
+        r = sp_misuse(SP_ERR_INVALID_ARG, "sp_tcache_init", NULL, "already initialised");
+    else
+        r = init_locked(desc);
+    sp_mutex_unlock(&tc.init_lock);
+    return r;
+}
+
+/* Initialise with defaults on first use. */
+SP_COLD bool tcache_init_default(void) {
+    sp_mutex_lock(&tc.init_lock);
+    bool ok = atomic_load_explicit(&tc.ready, memory_order_relaxed) || init_locked(NULL) == SP_OK;
+    sp_mutex_unlock(&tc.init_lock);
+    return ok;
+}
+
+size_t sp_tcache_shutdown(void) {
+    if (!atomic_load_explicit(&tc.ready, memory_order_acquire)) return 0;
+    sp_tcache_thread_detach();
+    sp_tcache_trim();
+    sp_tcache_status st;
+    sp_tcache_status_get(&st);
+    size_t live = st.live_blocks;
+    if (st.caches)
+        sp_misuse(SP_ERR_INVALID_ARG, "sp_tcache_shutdown", NULL,
+                  "%zu thread caches are still attached", st.caches);
+    atomic_store_explicit(&tc.ready, false, memory_order_release);
+    if (tc.tss_ok) tss_delete(tc.tss);
+    heap_close(&tc.spans);
+    heap_close(&tc.large);
+    if (tc.own_region)
+        sp_vm_release(tc.region, tc.region_size);
+    else
+        sp_vm_decommit(tc.region, tc.region_size);
+    memset(&tc, 0, sizeof tc);
+    memset(&sp_tcache_g, 0, sizeof sp_tcache_g);
+    tls_exited = false;
+    return live;
+}
+
+/* ---- fork ------------------------------------------------------------------------------- */
+
+void sp_tcache_fork_prepare(void) {
+    sp_mutex_lock(&tc.init_lock);
+    sp_mutex_lock(&tc.reg_lock);
+    sp_mutex_lock(&tc.fallback_lock);
+    sp_mutex_lock(&tc.orphan_lock);
+    heap_lock_all(true);
+}
+
+void sp_tcache_fork_parent(void) {
+    heap_lock_all(false);
+    sp_mutex_unlock(&tc.orphan_lock);
+    sp_mutex_unlock(&tc.fallback_lock);
+    sp_mutex_unlock(&tc.reg_lock);
+    sp_mutex_unlock(&tc.init_lock);
+}
+
+void sp_tcache_fork_child(void) {
+    /* Only this thread exists now: the locks this thread took are simply reset. Caches of the
+     * other threads stay registered; their spans are never reused (their blocks still free
+     * correctly, into inboxes nobody collects). */
+    memset(&tc.init_lock, 0, sizeof tc.init_lock);
+    memset(&tc.reg_lock, 0, sizeof tc.reg_lock);
+    memset(&tc.fallback_lock, 0, sizeof tc.fallback_lock);
+    memset(&tc.orphan_lock, 0, sizeof tc.orphan_lock);
+    memset(&tc.spans.lock, 0, sizeof tc.spans.lock);
+    memset(&tc.large.lock, 0, sizeof tc.large.lock);
+    for (cache *c = tc.registry; c; c = c->reg_next) memset(&c->lock, 0, sizeof c->lock);
+}

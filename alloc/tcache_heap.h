@@ -1,0 +1,83 @@
+/* The thread caches' global state and their two central heaps (internal to alloc/tcache*.c).
+ *
+ * One reservation, split in halves: the span heap (only SP_TCACHE_SPAN-aligned spans) and the
+ * large heap (requests above the largest class); a cache record takes a span of its own. Each half
+ * is an sp_tlsf heap committed from its start in growing chunks (one TLSF pool each), so "is p
+ * ours" is one subtraction and compare against the committed length. A heap's TLSF is unlocked and
+ * guarded by the heap's own mutex, which fork handlers can take (a TLSF-internal lock they could
+ * not).
+ */
+#ifndef SP_TCACHE_HEAP_H
+#define SP_TCACHE_HEAP_H
+
+#include <threads.h>
+
+#include "sp_tlsf.h"
+#include "tcache_internal.h"
+
+typedef struct heap {
+    sp_mutex lock; /* every TLSF call and growth */
+    sp_tlsf *t;
+    uintptr_t base;
+    _Atomic size_t committed; /* grows only; readers need no lock */
+    size_t limit;             /* bytes of the half */
+    size_t next_chunk;
+    const char *name;
+} heap;
+
+typedef struct tcache_state {
+    _Atomic bool ready;
+    sp_mutex init_lock;
+    void *region;
+    size_t region_size;
+    bool own_region;
+    heap spans, large;
+    uint32_t max_class, class_count, keep_empty;
+
+    sp_mutex reg_lock; /* registry, cache_count, retired_* */
+    cache *registry;
+    size_t cache_count;
+    size_t retired_remote_frees, retired_collected;
+    _Atomic size_t unattached_remote_frees, orphan_collected;
+
+    sp_mutex orphan_lock;
+    span *orphans[SP_TCACHE_CLASSES];
+    _Atomic size_t orphan_count[SP_TCACHE_CLASSES];
+
+    sp_mutex fallback_lock; /* the fallback cache of exited threads */
+    cache fallback;
+
+    tss_t tss;
+    bool tss_ok;
+} tcache_state;
+
+extern tcache_state tc;
+extern span tcache_sentinel;
+
+uint32_t tcache_class_size(uint32_t k);
+uint32_t tcache_class_of(size_t n);
+bool tcache_init_default(void);
+static inline bool tcache_ready(void) {
+    return atomic_load_explicit(&tc.ready, memory_order_acquire) || tcache_init_default();
+}
+
+/* heap.c-like helpers (tcache_heap.c). */
+sp_result heap_open(heap *h, const char *name, char *base, size_t limit);
+void heap_close(heap *h);
+void *heap_alloc(heap *h, size_t align, size_t size); /* grows the heap as needed */
+bool heap_free(heap *h, void *p);                     /* false: refused (reported) */
+size_t heap_usable(heap *h, const void *p);
+void *heap_realloc(heap *h, void *p, size_t size); /* NULL: not in place/no room, p intact */
+void heap_status(heap *h, sp_tlsf_status *out);
+void heap_lock_all(bool lock);
+
+void tcache_cache_init(cache *c, uint64_t tid);
+void tcache_set_cur(cache *c, uint32_t k, span *s);
+void tcache_cache_drain(cache *c);
+size_t tcache_empty_release(cache *c);
+void tcache_span_emptied(cache *c, span *s);
+uint32_t span_collect(span *s, cache *c);
+void span_release(span *s);
+bool tcache_block_check(span *s, const void *p, const char *call);
+
+#endif

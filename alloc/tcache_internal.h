@@ -1,0 +1,65 @@
+/* Internals of the thread caches shared by alloc/tcache*.c and white-box tests (not installed).
+ *
+ * A span (SP_TCACHE_SPAN bytes, aligned to its size) starts with this header; its blocks
+ * follow from `start`. Every span is, at any time, exactly one of: the current span of its
+ * class in its owner's cache, on its owner's ring of that class, on its owner's empty list
+ * (used == 0), on the global orphan list of its class (owner NULL), or free in the central
+ * span heap (magic and owner cleared). Only the owner (or, for orphans, the orphan lock
+ * holder) touches `free`, `carved` and the list links; any thread pushes onto `inbox`.
+ */
+#ifndef SP_TCACHE_INTERNAL_H
+#define SP_TCACHE_INTERNAL_H
+
+#include <stdatomic.h>
+
+#include "sp_internal.h"
+#include "sp_platform.h"
+#include "sp_tcache.h"
+
+enum {
+    INBOX_BITS = 48,
+    SPAN_HEADER = 256, /* bytes before the first block (alignment of blocks: 16 and up) */
+    SPAN_TAIL = 16,    /* the last 16 bytes hold the next TLSF block's header */
+};
+
+typedef struct span {
+    sp_tcache_span pub; /* what the inline paths read */
+    uintptr_t magic;    /* (uintptr_t)span ^ key ^ SPAN_MAGIC while the span is in use */
+    uint64_t owner_tid; /* OS thread of the owner, 0 when orphaned (read for messages) */
+    uint32_t cls, block_size;
+    uint32_t capacity; /* blocks the span holds */
+    uint32_t pad_;
+    struct span *next, *prev; /* ring (circular), empty list or orphan list (next only) */
+    /* Remote frees, on a cache line of their own: the list head in the low INBOX_BITS bits,
+     * the number of blocks on it above them, so one CAS pushes and one exchange takes list
+     * and count together (no walk to count; user addresses stay below 2^48, checked at init,
+     * and a span holds fewer than 2^16 blocks). */
+    _Alignas(64) _Atomic uintptr_t inbox;
+} span;
+
+_Static_assert(sizeof(span) <= SPAN_HEADER, "span header must fit in front of the blocks");
+
+typedef struct cache {
+    sp_tcache pub;                 /* cur[]: read by the inline alloc path */
+    span *ring[SP_TCACHE_CLASSES]; /* other spans of each class, circular, NULL if none */
+    span *empty;                   /* empty spans kept for reuse */
+    uint32_t empty_count;
+    sp_mutex lock;       /* list structure (cur, ring, empty) against status readers */
+    uint64_t tid;        /* OS thread id of the thread that attached it */
+    size_t remote_frees; /* written by the owner with relaxed atomic stores */
+    size_t remote_collected;
+    struct cache *reg_next, *reg_prev;
+    bool registered;
+} cache;
+
+/* Bind cache c (from tcache_create) to the calling thread instead of its own; returns the
+ * previous binding. For single-threaded tests of two caches (the fuzz target): an owner
+ * check compares caches, not threads. Not for production: the thread-exit hook still
+ * detaches only caches created by sp_tcache_thread_attach. */
+sp_tcache *tcache_bind(sp_tcache *c);
+/* A new registered cache not bound to any thread, NULL if out of memory. */
+sp_tcache *tcache_create(void);
+/* Detach c as sp_tcache_thread_detach does (c must not be bound to any running thread). */
+void tcache_destroy(sp_tcache *c);
+
+#endif

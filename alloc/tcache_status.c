@@ -1,0 +1,179 @@
+/* Thread caches: status (per thread and aggregated) and trim. Walks span lists under the
+ * list locks; per-span counters are read with relaxed atomic loads (their owners store them
+ * that way), so figures of running caches are a snapshot, exact when they are quiescent. */
+#include <string.h>
+
+#include "tcache_heap.h"
+#include "track.h"
+
+/* Add span s (of a cache or an orphan) to the figures. */
+static void span_count(const span *s, sp_tcache_status *st, bool empty_list) {
+    uint32_t used = __atomic_load_n(&s->pub.used, __ATOMIC_RELAXED);
+    uint32_t bs = s->block_size;
+    st->spans += !empty_list;
+    st->spans_empty += empty_list || used == 0;
+    st->live_blocks += used;
+    st->class_live[s->cls] += used;
+    st->bytes_used += (size_t)used * bs;
+    st->free_blocks += s->capacity - used;
+    st->bytes_free += (size_t)(s->capacity - used) * bs;
+    st->bytes_overhead += SP_TCACHE_SPAN - (size_t)s->capacity * bs;
+}
+
+static void cache_count(cache *c, sp_tcache_status *st) {
+    sp_mutex_lock(&c->lock);
+    for (uint32_t k = 0; k < SP_TCACHE_CLASSES; k++) {
+        span *cur = (span *)c->pub.cur[k];
+        if (cur != &tcache_sentinel) span_count(cur, st, false);
+        span *r = c->ring[k];
+        if (r) {
+            span *s = r;
+            do {
+                span_count(s, st, false);
+                s = s->next;
+            } while (s != r);
+        }
+    }
+    for (span *s = c->empty; s; s = s->next) {
+        span_count(s, st, true);
+        st->spans++;
+    }
+    sp_mutex_unlock(&c->lock);
+    st->remote_frees += __atomic_load_n(&c->remote_frees, __ATOMIC_RELAXED);
+    st->remote_collected += __atomic_load_n(&c->remote_collected, __ATOMIC_RELAXED);
+}
+
+/* Zero the figures; false if the caches are not initialised (nothing else to read). */
+static bool status_begin(sp_tcache_status *st) {
+    memset(st, 0, sizeof *st);
+    if (!atomic_load_explicit(&tc.ready, memory_order_acquire)) return false;
+    st->class_count = tc.class_count;
+    for (uint32_t k = 0; k < tc.class_count; k++) st->class_size[k] = tcache_class_size(k);
+    return true;
+}
+
+void sp_tcache_status_local(sp_tcache_status *st) {
+    cache *c = (cache *)sp_tcache_tls;
+    if (!status_begin(st) || !c->registered) return;
+    cache_count(c, st);
+    st->caches = 1;
+}
+
+void sp_tcache_status_get(sp_tcache_status *st) {
+    if (!status_begin(st)) return;
+    sp_mutex_lock(&tc.reg_lock);
+    for (cache *c = tc.registry; c; c = c->reg_next) cache_count(c, st);
+    st->caches = tc.cache_count;
+    st->remote_frees += tc.retired_remote_frees;
+    st->remote_collected += tc.retired_collected;
+    size_t caches = tc.cache_count;
+    sp_mutex_unlock(&tc.reg_lock);
+    sp_mutex_lock(&tc.fallback_lock);
+    cache_count(&tc.fallback, st);
+    sp_mutex_unlock(&tc.fallback_lock);
+    st->spans_orphaned = 0;
+    sp_mutex_lock(&tc.orphan_lock);
+    for (uint32_t k = 0; k < SP_TCACHE_CLASSES; k++)
+        for (span *s = tc.orphans[k]; s; s = s->next) {
+            span_count(s, st, false);
+            st->spans_orphaned++;
+        }
+    sp_mutex_unlock(&tc.orphan_lock);
+    st->spans -= st->spans_orphaned;
+    st->remote_frees += atomic_load_explicit(&tc.unattached_remote_frees, memory_order_relaxed);
+    st->remote_collected += atomic_load_explicit(&tc.orphan_collected, memory_order_relaxed);
+    st->remote_pending =
+        st->remote_frees > st->remote_collected ? st->remote_frees - st->remote_collected : 0;
+
+    heap_status(&tc.spans, &st->span_heap);
+    heap_status(&tc.large, &st->large_heap);
+    /* Cache records take one span each from the span heap; the large heap is users' only. */
+    st->large_blocks = st->large_heap.live_blocks;
+    st->live_blocks += st->large_heap.live_blocks;
+    st->bytes_used += st->large_heap.bytes_used;
+    st->bytes_free += st->large_heap.bytes_free + st->span_heap.bytes_free;
+    st->bytes_overhead +=
+        st->large_heap.bytes_overhead + st->span_heap.bytes_overhead + caches * SP_TCACHE_SPAN;
+    st->largest_free = st->large_heap.largest_free;
+    st->high_water = st->large_heap.high_water + st->span_heap.high_water;
+    st->fragmentation = st->large_heap.fragmentation;
+}
+
+/* ---- trim ------------------------------------------------------------------------------- */
+
+/* Collect and release what is empty among c's spans (c's owner or its lock holder). */
+static size_t cache_trim(cache *c) {
+    size_t bytes = 0;
+    for (uint32_t k = 0; k < SP_TCACHE_CLASSES; k++) {
+        span *cur = (span *)c->pub.cur[k];
+        if (cur != &tcache_sentinel) {
+            span_collect(cur, c);
+            if (cur->pub.used == 0) {
+                sp_mutex_lock(&c->lock);
+                tcache_set_cur(c, k, &tcache_sentinel);
+                sp_mutex_unlock(&c->lock);
+                span_release(cur);
+                bytes += SP_TCACHE_SPAN;
+            }
+        }
+        span *r = c->ring[k];
+        size_t n = 0;
+        if (r) {
+            span *s = r;
+            do {
+                n++;
+                s = s->next;
+            } while (s != r);
+        }
+        for (span *s = c->ring[k]; n-- > 0;) {
+            span *next = s->next;
+            span_collect(s, c);
+            if (s->pub.used == 0) {
+                sp_mutex_lock(&c->lock);
+                /* ring_remove, inline: */
+                if (s->next == s) {
+                    c->ring[k] = NULL;
+                } else {
+                    s->prev->next = s->next;
+                    s->next->prev = s->prev;
+                    if (c->ring[k] == s) c->ring[k] = s->next;
+                }
+                sp_mutex_unlock(&c->lock);
+                span_release(s);
+                bytes += SP_TCACHE_SPAN;
+            }
+            s = next;
+        }
+    }
+    return bytes + tcache_empty_release(c);
+}
+
+size_t sp_tcache_trim(void) {
+    if (!atomic_load_explicit(&tc.ready, memory_order_acquire)) return 0;
+    track_enter();
+    size_t bytes = 0;
+    cache *c = (cache *)sp_tcache_tls;
+    if (c->registered) bytes += cache_trim(c);
+    sp_mutex_lock(&tc.fallback_lock);
+    bytes += cache_trim(&tc.fallback);
+    sp_mutex_unlock(&tc.fallback_lock);
+    sp_mutex_lock(&tc.orphan_lock);
+    for (uint32_t k = 0; k < SP_TCACHE_CLASSES; k++) {
+        span **link = &tc.orphans[k];
+        while (*link) {
+            span *s = *link;
+            span_collect(s, NULL);
+            if (s->pub.used == 0) {
+                *link = s->next;
+                atomic_fetch_sub_explicit(&tc.orphan_count[k], 1, memory_order_relaxed);
+                span_release(s);
+                bytes += SP_TCACHE_SPAN;
+            } else {
+                link = &s->next;
+            }
+        }
+    }
+    sp_mutex_unlock(&tc.orphan_lock);
+    track_leave();
+    return bytes;
+}

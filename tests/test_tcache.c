@@ -1,0 +1,292 @@
+/* Thread caches, one layer at a time: size classes (waste bound, lookup table), alloc/free of
+ * every class and of large blocks, calloc/realloc/aligned_alloc/usable_size/free_sized,
+ * hysteresis at a span boundary, remote frees, orphaned spans of an exited thread (freed
+ * from here, then adopted), and the leak check: every status figure back to zero after trim. */
+#include <stdio.h>
+#include <string.h>
+
+#include "sp_tcache.h"
+#include "tcache_heap.h"
+#include "test_support.h"
+
+static void test_classes(void) {
+    bool monotonic = true, exact = true, aligned = true;
+    double waste_sum = 0, waste_max = 0;
+    size_t counted = 0;
+    for (uint32_t k = 0; k < SP_TCACHE_CLASSES; k++) {
+        uint32_t s = tcache_class_size(k);
+        if (k && s <= tcache_class_size(k - 1)) monotonic = false;
+        if (tcache_class_of(s) != k || (k && tcache_class_of(tcache_class_size(k - 1) + 1) != k))
+            exact = false;
+        if (s % 16) aligned = false;
+    }
+    for (size_t n = 129; n <= 65536; n++) {
+        double w = (double)(tcache_class_size(tcache_class_of(n)) - n) / (double)n;
+        waste_sum += w;
+        counted++;
+        if (w > waste_max) waste_max = w;
+    }
+    ok(monotonic && aligned, "80 classes, increasing, multiples of 16 (last %u)",
+       tcache_class_size(SP_TCACHE_CLASSES - 1));
+    ok(exact, "class_of maps each class size to its class and the next byte to the next");
+    ok(waste_max < 0.125 && waste_sum / (double)counted < 0.07,
+       "internal waste above 128 B: max %.1f%% (< 12.5%%), average %.1f%%", waste_max * 100,
+       waste_sum / (double)counted * 100);
+    bool table = true;
+    for (size_t n = 0; n <= SP_TCACHE_LOOKUP_MAX; n++)
+        if (sp_tcache_g.class_of[(n + 15) >> 4] != tcache_class_of(n)) table = false;
+    ok(table, "the inline lookup table agrees with class_of for 0..1024");
+}
+
+static bool pattern_ok(const unsigned char *p, size_t n, unsigned char v) {
+    for (size_t i = 0; i < n; i++)
+        if (p[i] != v) return false;
+    return true;
+}
+
+static void test_alloc_free(void) {
+    enum { N = 2000 };
+    static void *p[N];
+    static size_t len[N];
+    ts_rng r;
+    ts_rng_seed(&r, 1);
+    bool ok_all = true, usable = true, align16 = true, owner = true;
+    uint64_t me = sp_thread_os_id();
+    for (int i = 0; i < N; i++) {
+        len[i] = (size_t)ts_rng_range(&r, 0, i % 10 == 0 ? 200000 : 4096);
+        p[i] = sp_tcache_alloc(len[i]);
+        if (!p[i])
+            ok_all = false;
+        else
+            memset(p[i], i & 0xff, len[i]);
+        if (p[i] && sp_tcache_usable_size(p[i]) < len[i]) usable = false;
+        if ((uintptr_t)p[i] & 15) align16 = false;
+        if (p[i] && len[i] <= 32768 && sp_tcache_owner_thread(p[i]) != me) owner = false;
+    }
+    bool intact = true;
+    for (int i = 0; i < N; i++)
+        if (p[i] && !pattern_ok(p[i], len[i], (unsigned char)(i & 0xff))) intact = false;
+    ok(ok_all && intact, "%d blocks of 0..200000 bytes allocated, written, intact", N);
+    ok(usable && align16, "usable_size covers every request; every block 16-aligned");
+    ok(owner, "every small block is owned by this thread's cache");
+    sp_tcache_status st;
+    sp_tcache_status_get(&st);
+    ok(st.live_blocks == N && st.caches == 1, "status: %zu live blocks (want %d), %zu caches",
+       st.live_blocks, N, st.caches);
+    for (int i = 0; i < N; i += 2) sp_tcache_free(p[i]);
+    for (int i = 1; i < N; i += 2) sp_tcache_free_sized(p[i], len[i]);
+    sp_tcache_status_get(&st);
+    is_int(st.live_blocks, 0, "all freed (free and free_sized): no live blocks");
+}
+
+static void *status_elsewhere(void *arg) {
+    sp_tcache_status *st = arg;
+    void *p = sp_tcache_alloc(100);
+    sp_tcache_status_local(st);
+    sp_tcache_free(p);
+    return NULL;
+}
+
+/* Per-thread figures, and free_local. */
+static void test_local(void) {
+    enum { N = 300 };
+    void *p[N];
+    sp_tcache_status before, st, other;
+    sp_tcache_status_local(&before);
+    for (int i = 0; i < N; i++) p[i] = sp_tcache_alloc(24);
+    sp_tcache_status_local(&st);
+    uint32_t k = tcache_class_of(24);
+    ok(st.caches == 1 && st.live_blocks == before.live_blocks + N &&
+           st.class_live[k] == before.class_live[k] + N && st.class_size[k] == 32,
+       "status_local: this cache's %zu live blocks, %zu in the 32-byte class", st.live_blocks,
+       st.class_live[k]);
+    sp_thread t;
+    sp_thread_start(&t, status_elsewhere, &other, "sp-status");
+    sp_thread_join(t);
+    ok(other.caches == 1 && other.live_blocks == 1,
+       "status_local on another thread sees only that thread's cache (%zu live)",
+       other.live_blocks);
+    for (int i = 0; i < N; i++) sp_tcache_free_local(p[i]);
+    sp_tcache_status_local(&st);
+    ok(st.live_blocks == before.live_blocks, "free_local returned all %d blocks", N);
+}
+
+static void test_calloc_realloc(void) {
+    unsigned char *a = sp_tcache_alloc(100);
+    memset(a, 0xab, 100);
+    sp_tcache_free(a);
+    unsigned char *z = sp_tcache_calloc(25, 4); /* likely the same block, dirty */
+    ok(z && pattern_ok(z, 100, 0), "calloc zeroes a reused block");
+    ok(sp_tcache_calloc(SIZE_MAX / 2, 3) == NULL, "calloc overflow: NULL");
+    unsigned char *q = z;
+    bool kept = true;
+    size_t sizes[] = {120, 60, 1000, 40000, 300000, 5000, 16, 0};
+    size_t have = 100;
+    memset(q, 7, have);
+    for (size_t i = 0; sizes[i]; i++) {
+        q = sp_tcache_realloc(q, sizes[i]);
+        size_t keep = have < sizes[i] ? have : sizes[i];
+        if (!q || !pattern_ok(q, keep, 7)) kept = false;
+        if (q) memset(q, 7, sizes[i]);
+        have = sizes[i];
+    }
+    ok(kept, "realloc through classes and the large heap keeps the contents");
+    ok(sp_tcache_realloc(q, 0) == NULL, "realloc(p, 0) frees and returns NULL");
+    void *n = sp_tcache_realloc(NULL, 50);
+    ok(n && sp_tcache_usable_size(n) >= 50, "realloc(NULL, n) allocates");
+    sp_tcache_free(n);
+}
+
+static void test_aligned(void) {
+    bool good = true;
+    void *keep[64];
+    int kept = 0;
+    for (size_t align = 1; align <= ((size_t)1 << 20); align <<= 1) {
+        size_t sizes[] = {1, align, 3 * align + 5, 40000};
+        for (int i = 0; i < 4; i++) {
+            void *p = sp_tcache_aligned_alloc(align, sizes[i]);
+            if (!p || ((uintptr_t)p & (align - 1)) || sp_tcache_usable_size(p) < sizes[i]) {
+                good = false;
+                diag("aligned_alloc(%zu, %zu) = %p", align, sizes[i], p);
+            }
+            if (p) memset(p, 1, sizes[i]);
+            if (kept < 64)
+                keep[kept++] = p;
+            else
+                sp_tcache_free(p);
+        }
+    }
+    for (int i = 0; i < kept; i++) sp_tcache_free(keep[i]);
+    ok(good, "aligned_alloc: alignments 1 B .. 1 MiB, sizes small to large, all aligned");
+}
+
+/* A loop that allocates and frees one block right at a span boundary must not hand a span to
+ * the central heap and take it back each time. */
+static void test_hysteresis(void) {
+    size_t bs = 1024;
+    uint32_t k = tcache_class_of(bs);
+    /* fill the current span of the class exactly */
+    void *blocks[400];
+    int n = 0;
+    void *first = sp_tcache_alloc(bs);
+    blocks[n++] = first;
+    uintptr_t span0 = (uintptr_t)first & ~(SP_TCACHE_SPAN - 1);
+    for (;;) {
+        void *p = sp_tcache_alloc(bs);
+        blocks[n++] = p;
+        if (((uintptr_t)p & ~(SP_TCACHE_SPAN - 1)) != span0) break;
+    }
+    sp_tcache_free(blocks[--n]); /* the first block of the second span: that span now empty */
+    sp_tlsf_status before, after;
+    heap_status(&tc.spans, &before);
+    for (int i = 0; i < 10000; i++) {
+        void *p = sp_tcache_alloc(bs);
+        sp_tcache_free(p);
+    }
+    heap_status(&tc.spans, &after);
+    ok(after.live_blocks == before.live_blocks,
+       "alloc/free at a span boundary (class %u): central spans %zu before, %zu after", k,
+       before.live_blocks, after.live_blocks);
+    for (int i = 0; i < n; i++) sp_tcache_free(blocks[i]);
+}
+
+typedef struct exiting {
+    void *blocks[3000];
+    int n;
+} exiting;
+
+static void *thread_allocates_and_exits(void *arg) {
+    exiting *e = arg;
+    for (int i = 0; i < e->n; i++) e->blocks[i] = sp_tcache_alloc(48);
+    return NULL; /* exits holding live blocks: its spans become orphans */
+}
+
+static void test_orphans(void) {
+    static exiting e = {.n = 3000};
+    sp_tcache_thread_detach(); /* our next cache starts empty: it must adopt, not reuse */
+    sp_thread t;
+    sp_thread_start(&t, thread_allocates_and_exits, &e, "sp-orphan");
+    sp_thread_join(t);
+    sp_tcache_status st;
+    sp_tcache_status_get(&st);
+    ok(st.spans_orphaned > 0 && st.caches == 0,
+       "an exited thread's spans with live blocks are orphaned (%zu), its cache gone",
+       st.spans_orphaned);
+    for (int i = 0; i < e.n; i += 2) sp_tcache_free(e.blocks[i]); /* remote frees to orphans */
+    sp_tcache_status_get(&st);
+    ok(st.remote_pending >= (size_t)e.n / 2,
+       "frees of an exited thread's blocks work (%zu pending)", st.remote_pending);
+    /* Our cache adopts the orphans of that class before taking new spans. */
+    size_t orphaned = st.spans_orphaned;
+    void *mine[600];
+    for (int i = 0; i < 600; i++) mine[i] = sp_tcache_alloc(48);
+    sp_tcache_status_get(&st);
+    ok(st.spans_orphaned < orphaned && sp_tcache_owner_thread(e.blocks[1]) == sp_thread_os_id(),
+       "orphans adopted by the next cache that needs the class (%zu -> %zu)", orphaned,
+       st.spans_orphaned);
+    for (int i = 1; i < e.n; i += 2) sp_tcache_free(e.blocks[i]);
+    for (int i = 0; i < 600; i++) sp_tcache_free(mine[i]);
+}
+
+static void *remote_worker(void *arg) {
+    void **blocks = arg;
+    for (int i = 0; i < 1000; i++) sp_tcache_free(blocks[i]);
+    return NULL;
+}
+
+static void test_remote(void) {
+    static void *blocks[1000];
+    sp_tcache_trim();
+    for (int i = 0; i < 1000; i++) blocks[i] = sp_tcache_alloc(16 + (size_t)i % 200);
+    sp_tcache_status before, st;
+    sp_tcache_status_get(&before);
+    sp_thread t;
+    sp_thread_start(&t, remote_worker, blocks, "sp-remote");
+    sp_thread_join(t);
+    sp_tcache_status_get(&st);
+    ok(st.remote_frees - before.remote_frees == 1000 && st.live_blocks == before.live_blocks,
+       "1000 frees on another thread went to inboxes (%zu), still live until collected",
+       st.remote_frees - before.remote_frees);
+    sp_tcache_trim();
+    sp_tcache_status_get(&st);
+    ok(st.remote_pending == 0 && st.live_blocks == before.live_blocks - 1000,
+       "trim collected every inbox (pending %zu, live %zu)", st.remote_pending, st.live_blocks);
+}
+
+static void test_leak_check(void) {
+    sp_tcache_thread_detach();
+    sp_tcache_trim();
+    sp_tcache_status st;
+    sp_tcache_status_get(&st);
+    size_t classes = 0;
+    for (uint32_t k = 0; k < SP_TCACHE_CLASSES; k++) classes += st.class_live[k];
+    ok(st.live_blocks == 0 && st.bytes_used == 0 && st.spans == 0 && st.spans_empty == 0 &&
+           st.spans_orphaned == 0 && st.caches == 0 && st.large_blocks == 0 && classes == 0 &&
+           st.remote_pending == 0 && st.span_heap.live_blocks == 0 &&
+           st.large_heap.live_blocks == 0 && st.span_heap.bytes_used == 0 &&
+           st.large_heap.bytes_used == 0,
+       "after detach + trim every figure is zero (live %zu, used %zu, spans %zu/%zu/%zu, "
+       "heaps %zu/%zu)",
+       st.live_blocks, st.bytes_used, st.spans, st.spans_empty, st.spans_orphaned,
+       st.span_heap.live_blocks, st.large_heap.live_blocks);
+    is_int(sp_tcache_shutdown(), 0, "shutdown: nothing leaked");
+}
+
+int main(void) {
+    plan(28);
+    ok(sp_tcache_init(&(sp_tcache_desc){.region_size = (size_t)1 << 30}) == SP_OK, "init");
+    test_classes();
+    test_alloc_free();
+    test_local();
+    test_calloc_realloc();
+    test_aligned();
+    test_hysteresis();
+    test_orphans();
+    test_remote();
+    test_leak_check();
+    /* Lazy initialisation with defaults, after a shutdown. */
+    void *p = sp_tcache_alloc(10);
+    ok(p != NULL, "first alloc after shutdown initialises again (defaults)");
+    sp_tcache_free(p);
+    return done();
+}

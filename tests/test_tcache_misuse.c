@@ -1,0 +1,160 @@
+/* Bad input to the thread caches. With misuse non-fatal (release behaviour) each bad call is
+ * reported with its id, call and address (and the owning thread where known), returns the
+ * documented value and changes no status figure; the caches keep working. Then, fatal (debug
+ * default), in forked children: the process dies naming the call and the address. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "sp_tcache.h"
+#include "test_support.h"
+
+static bool same(const sp_tcache_status *a, const sp_tcache_status *b) {
+    return a->live_blocks == b->live_blocks && a->bytes_used == b->bytes_used &&
+           a->spans == b->spans && a->free_blocks == b->free_blocks &&
+           a->remote_frees == b->remote_frees &&
+           a->span_heap.live_blocks == b->span_heap.live_blocks &&
+           a->large_heap.live_blocks == b->large_heap.live_blocks;
+}
+
+/* free, realloc, usable_size of p: each reports `want` at p and changes nothing. */
+static void refuse_all(void *p, sp_result want, const char *free_call, const char *what) {
+    sp_tcache_status before, after;
+    sp_tcache_status_get(&before);
+    ts_log_reset();
+    sp_tcache_free(p);
+    sp_tcache_status_get(&after);
+    bool freed = ts_logged.count == 1 && ts_logged.last_id == want && ts_logged.last_addr == p &&
+                 strcmp(ts_logged.last_call, free_call) == 0;
+    ok(freed && same(&before, &after), "free(%s): %s from %s, nothing changed", what,
+       sp_result_name(want), free_call);
+    if (!freed)
+        diag("  logged %d, last %s from %s: %s", ts_logged.count, sp_result_name(ts_logged.last_id),
+             ts_logged.last_call, ts_logged.last_message);
+    ts_log_reset();
+    void *q = sp_tcache_realloc(p, 100);
+    sp_tcache_status_get(&after);
+    ok(q == NULL && ts_logged.count == 1 && ts_logged.last_id == want && same(&before, &after),
+       "realloc(%s): NULL, reported, nothing changed", what);
+    ts_log_reset();
+    size_t n = sp_tcache_usable_size(p);
+    ok(n == 0 && ts_logged.count == 1 && ts_logged.last_id == want, "usable_size(%s): 0, reported",
+       what);
+}
+
+static void *remote_free(void *p) {
+    sp_tcache_free(p);
+    return NULL;
+}
+
+static void *remote_double_free(void *p) {
+    ts_log_reset();
+    sp_tcache_free(p);
+    return NULL;
+}
+
+static char *live, *freed, *remote_freed;
+
+static void test_reported(void) {
+    ts_log_capture();
+    live = sp_tcache_alloc(64);
+    freed = sp_tcache_alloc(64);
+    remote_freed = sp_tcache_alloc(64);
+    char *keep = sp_tcache_alloc(64); /* keeps the span in use */
+    sp_tcache_free(freed);
+    sp_thread t;
+    sp_thread_start(&t, remote_free, remote_freed, "sp-remote");
+    sp_thread_join(t);
+    int on_stack = 0;
+    void *glibc = malloc(64);
+
+    refuse_all(freed, SP_ERR_DOUBLE_FREE, "sp_tcache_free", "already freed");
+    char me[32];
+    snprintf(me, sizeof me, "thread %llu", (unsigned long long)sp_thread_os_id());
+    ok(strstr(ts_logged.last_message, me) != NULL, "the report names the owning %s (\"%s\")", me,
+       ts_logged.last_message);
+    refuse_all(remote_freed, SP_ERR_DOUBLE_FREE, "sp_tcache_free", "freed by another thread");
+    sp_thread_start(&t, remote_double_free, remote_freed, "sp-remote");
+    sp_thread_join(t);
+    ok(ts_logged.count == 1 && ts_logged.last_id == SP_ERR_DOUBLE_FREE,
+       "a second free on another thread is refused too");
+    refuse_all(live + 16, SP_ERR_INVALID_POINTER, "sp_tcache_free", "interior +16");
+    refuse_all(live + 1, SP_ERR_INVALID_POINTER, "sp_tcache_free", "misaligned +1");
+    uintptr_t span = (uintptr_t)live & ~(SP_TCACHE_SPAN - 1);
+    refuse_all((void *)(span + 64), SP_ERR_INVALID_POINTER, "sp_tcache_free", "span header");
+    refuse_all((void *)(span + SP_TCACHE_SPAN - 96), SP_ERR_INVALID_POINTER, "sp_tcache_free",
+               "a block not carved yet");
+    refuse_all(&on_stack, SP_ERR_FOREIGN_POINTER, "sp_tcache_free", "stack address");
+    refuse_all(glibc, SP_ERR_FOREIGN_POINTER, "sp_tcache_free", "glibc block");
+
+    /* A pointer into a span that went back to the central heap. */
+    char *lone = sp_tcache_alloc(20000);
+    uintptr_t lone_span = (uintptr_t)lone & ~(SP_TCACHE_SPAN - 1);
+    void *others[16];
+    int n = 0;
+    for (; n < 16; n++) { /* fill that span so the next one becomes current */
+        others[n] = sp_tcache_alloc(20000);
+        if (((uintptr_t)others[n] & ~(SP_TCACHE_SPAN - 1)) != lone_span) break;
+    }
+    sp_tcache_free(lone);
+    for (int i = 0; i < n; i++) sp_tcache_free(others[i]); /* span empty, not current */
+    sp_tcache_trim();
+    refuse_all(lone, SP_ERR_INVALID_POINTER, "sp_tcache_free", "block of a returned span");
+    if (n < 16) sp_tcache_free(others[n]);
+
+    char *big = sp_tcache_alloc(100000);
+    sp_tcache_free(big);
+    refuse_all(big, SP_ERR_DOUBLE_FREE, "sp_tlsf_free", "large block already freed");
+
+    sp_tcache_status before, after;
+    sp_tcache_status_get(&before);
+    ts_log_reset();
+    ok(sp_tcache_aligned_alloc(3, 10) == NULL && ts_logged.last_id == SP_ERR_BAD_ALIGNMENT,
+       "aligned_alloc(3): NULL, SP_ERR_BAD_ALIGNMENT");
+    ts_log_reset();
+    sp_tcache_free_sized(live, 65);
+    sp_tcache_status_get(&after);
+    ok(ts_logged.last_id == SP_ERR_INVALID_ARG && same(&before, &after),
+       "free_sized with a size beyond the block: SP_ERR_INVALID_ARG, not freed");
+    ts_log_reset();
+    ok(sp_tcache_alloc(SIZE_MAX) == NULL && sp_tcache_alloc(SIZE_MAX / 2) == NULL &&
+           ts_logged.count == 0,
+       "requests that cannot be met: NULL, not misuse");
+
+    /* Still intact: the double-freed block is handed out once only. */
+    char *a = sp_tcache_alloc(64), *b = sp_tcache_alloc(64), *c = sp_tcache_alloc(64);
+    ok(a && b && c && a != b && b != c && a != c && sp_tcache_usable_size(live) == 64,
+       "after all that, fresh blocks are distinct and the live block is untouched");
+    sp_tcache_free(a);
+    sp_tcache_free(b);
+    sp_tcache_free(c);
+    sp_tcache_free(keep);
+    free(glibc);
+    ts_log_release();
+}
+
+static void do_free(void *p) {
+    sp_tcache_free(p);
+}
+
+static void test_fatal(void) {
+    static int outside;
+    void *cases[] = {freed, live + 16, &outside};
+    const char *what[] = {"double free", "interior pointer", "foreign pointer"};
+    for (int i = 0; i < 3; i++) {
+        char addr[32];
+        snprintf(addr, sizeof addr, "%p", cases[i]);
+        ok(ts_dies(do_free, cases[i], "sp_tcache_free", addr),
+           "fatal misuse (%s) dies naming sp_tcache_free and %s", what[i], addr);
+    }
+}
+
+int main(void) {
+    plan(40);
+    test_reported();
+    test_fatal();
+    sp_tcache_free(live);
+    sp_tcache_thread_detach();
+    is_int(sp_tcache_shutdown(), 0, "nothing leaked");
+    return done();
+}
