@@ -58,7 +58,14 @@ static void abandon_waiters(sp_jobs *s) {
                     list = wt;
                 }
             }
-            atomic_store(&c->waiters, keep);
+            if (keep) { /* pushed back like counter.c does: others may push meanwhile */
+                waiter *tail = keep;
+                while (tail->next) tail = tail->next;
+                waiter *head = atomic_load(&c->waiters);
+                do {
+                    tail->next = head;
+                } while (!atomic_compare_exchange_weak(&c->waiters, &head, keep));
+            }
             for (waiter *wt = list, *next; wt; wt = next) {
                 next = wt->next;
                 bool fiber = wt->kind == WAIT_FIBER;
@@ -92,15 +99,18 @@ void jobs_drain_check(sp_jobs *s) {
     uint64_t outstanding = SUM(s, taken) + atomic_load(&s->ext_taken) - done;
     bool finished = outstanding == 0;
     int64_t parked_jobs = (int64_t)(SUM(s, parks) - SUM(s, resumes));
+    uint64_t progress = done + SUM(s, parks) + SUM(s, resumes);
     if (!finished && (int64_t)outstanding == parked_jobs + atomic_load(&s->deferred)) {
         uint64_t now = sp_time_ns();
-        if (done != s->drain_last_done || s->drain_still_since == 0) {
-            s->drain_last_done = done;
+        if (progress != s->drain_last_done || s->drain_still_since == 0) {
+            s->drain_last_done = progress;
             s->drain_still_since = now;
         } else if (now - s->drain_still_since > 100000000) { /* 100 ms, nothing ran */
             abandon_waiters(s);
             finished = true;
         }
+    } else {
+        s->drain_still_since = 0; /* something can still run: the 100 ms start again */
     }
     if (finished && !atomic_exchange(&s->drained, 1)) counter_lower(s->drain, 1);
 }

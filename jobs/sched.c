@@ -340,7 +340,10 @@ void jobs_chain_push(sp_jobs *s, worker *w, job *chain, uint32_t n) {
 /* A parked job is ready again. Resumed by a job of this scheduler's worker w: it runs next on
  * w (unless w already has one, or it is pinned elsewhere); otherwise it is queued. */
 void jobs_job_ready(sp_jobs *s, worker *w, job *j) {
-    if (w && !w->next_job && (j->resume_pin == NO_PIN || j->resume_pin == w->id)) {
+    /* The slot only when w's loop will look at it soon: not from a thread's own stack (the main
+     * thread outside its waits may not run jobs for a long time). */
+    if (w && !w->next_job && w->current_fiber != w->thread_fiber &&
+        (j->resume_pin == NO_PIN || j->resume_pin == w->id)) {
         w->next_job = j;
         return;
     }
@@ -380,8 +383,8 @@ void jobs_switch_to(worker *w, sp_fiber *to) {
     switch_fiber(w, to);
 }
 
-/* A loop fiber suspended in its loop: kept by w (a few), else by the scheduler, so that no
- * worker hoards the fibers another needs. */
+/* A loop fiber suspended in its loop: kept by w (at most SPARES_LOCAL), else by the scheduler,
+ * so that no worker keeps more than a few of the fibers another may need. */
 void jobs_spare_put(sp_jobs *s, worker *w, sp_fiber *f) {
     if (w->spare_count < SPARES_LOCAL) {
         w->spares[w->spare_count++] = f;
@@ -681,6 +684,9 @@ static void wait_nested(sp_jobs *s, worker *w, job *me, sp_counter *c, int64_t t
             if (!job_park(s, w, me, c, target, k->fiber, k))
                 jobs_chain_push(s, w, (k->next = NULL, k), 1);
         } else if (k) {
+            /* k runs on top of `me`: if k parks, `me` parks with it, so k must come back where
+             * `me` may run. */
+            if (k->resume_pin == NO_PIN) k->resume_pin = me->resume_pin;
             job_run(s, w, k);
             w = jobs_current_worker();
             w->current_job = me == &w->thread_job ? NULL : me;
@@ -699,7 +705,14 @@ SP_INLINE void wait_on_worker(sp_jobs *s, worker *w, sp_counter *c, int64_t targ
     if (ready && ready->fiber) {
         /* A handoff: the job this worker resumed runs next anyway; switch straight to it. */
         w->next_job = NULL;
-        if (!job_park(s, w, me, c, target, ready->fiber, ready)) w->next_job = ready;
+        if (!job_park(s, w, me, c, target, ready->fiber, ready)) {
+            if (w->next_job) { /* filled meanwhile (piece_give_back lowered a counter) */
+                ready->next = NULL;
+                jobs_chain_push(s, w, ready, 1);
+            } else {
+                w->next_job = ready;
+            }
+        }
         return;
     }
     sp_fiber *next = loop_fiber_get(s, w);

@@ -136,9 +136,10 @@ typedef struct sp_jobs_status {
 
 /* Create a scheduler; the calling thread becomes its main thread (worker 0). Main thread only.
  * Cost: thread starts, fiber pool reservation, job records. Returns SP_OK with *out set;
- * SP_ERR_INVALID_ARG (NULL out, a bad field: deque_size not a power of two, a huge count),
- * SP_ERR_LIMIT (the thread already belongs to a scheduler), SP_ERR_NOMEM, SP_ERR_OS (a thread
- * or the fiber pool could not be made; whatever started is stopped again). */
+ * SP_ERR_INVALID_ARG (misuse, logged: NULL out, deque_size not a power of two or above 2^24,
+ * more than 63 workers, fewer fibers than workers + 2), SP_ERR_LIMIT (the thread already
+ * belongs to a scheduler), SP_ERR_NOMEM (also for a max_jobs too large to allocate), SP_ERR_OS (a
+ * thread or the fiber pool could not be made; whatever started is stopped again). */
 sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc);
 
 /* Run every pending job to completion (waiting, helping as the main thread), stop and join
@@ -160,10 +161,11 @@ void sp_jobs_destroy(sp_jobs *s);
  * jobs included; never suspends. Cost: jobs sharing a priority and not pinned: one malloc'd
  * copy of the descs and one record, pushed once (a worker's deque; other threads: the
  * wfcqueue); otherwise a record and a push per job. Then one fence, and a futex wake per
- * sleeping worker needed. Errors: SP_ERR_SHUTDOWN (after shutdown began, from a thread that
- * is not running a job), SP_ERR_LIMIT (out of job records, logged), SP_ERR_NOMEM (the copy,
- * logged), SP_ERR_INVALID_ARG (misuse: NULL s, jobs with count > 0, NULL fn, a pinned worker
- * out of range). count 0 is SP_OK and does nothing. */
+ * sleeping worker needed. Out of records, it first asks the workers for the ones they cache
+ * and yields for up to 10 ms before SP_ERR_LIMIT. Errors: SP_ERR_SHUTDOWN (after shutdown
+ * began, from a thread that is not running a job), SP_ERR_LIMIT (out of job records, logged),
+ * SP_ERR_NOMEM (the copy, logged), SP_ERR_INVALID_ARG (misuse: NULL s, jobs with count > 0, NULL
+ * fn, a pinned worker out of range). count 0 is SP_OK and does nothing. */
 sp_result sp_jobs_submit(sp_jobs *s, const sp_job_desc *jobs, uint32_t count, sp_counter *counter);
 
 /* As sp_jobs_submit, but the jobs start only once `after` reaches `after_target` (at once if
@@ -208,7 +210,7 @@ void sp_counter_add(sp_counter *c, int64_t n);
 
 /* Lower by n and resume the waits and start the deferred batches this satisfies. Any thread,
  * never suspends. Cost: one atomic; when something waits, an exchange that takes the wait
- * list and a push for each waiter not yet satisfied. */
+ * list and one compare-exchange that puts back the waiters not yet satisfied. */
 void sp_counter_sub(sp_counter *c, int64_t n);
 
 /* The current value (a snapshot). Any thread. */

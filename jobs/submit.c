@@ -140,9 +140,16 @@ sp_result sp_parallel_for(sp_jobs *s, uint64_t begin, uint64_t end, uint64_t gra
                  .rank = RANK_NORMAL,
                  .kind = JOB_PFOR};
     if (w) {
-        /* One of ours: run the range here, splitting pieces off for the others. */
+        /* One of ours: run the range here, splitting pieces off for the others. The range is
+         * the running job while it runs, so a wait in fn gives its rest back (and the piece
+         * comes back where the caller may run). */
+        job *outer = w->current_job;
+        piece.resume_pin = outer ? outer->resume_pin : NO_PIN;
+        w->current_job = &piece;
         jobs_piece_hide(s, &piece, end - begin > grain);
         jobs_piece_run(s, &piece);
+        w = jobs_current_worker();
+        w->current_job = outer;
     } else {
         /* Hand the whole range over as one piece and block. */
         job *j = jobs_records_take(s, NULL, 1);
