@@ -201,6 +201,8 @@ typedef struct sp_tcache_span {
                                against it tests "a carved block start" (the quotient of a
                                non-multiple, or of an offset below start, is above it) */
     struct sp_tcache *owner;            /* read by any thread (atomically); written by the owner */
+    uint32_t first32; /* low 32 bits of the first block's address: (uint32_t)p - first32 is
+                         p's offset from it (the span is aligned to 256 KiB) */
     _Alignas(64) sp_tcache_block *free; /* owner's free list */
     uint32_t used;                      /* blocks handed out and not yet back with the owner */
 } sp_tcache_span;
@@ -299,7 +301,7 @@ static inline __attribute__((always_inline)) void sp_tcache_free_in_span_(sp_tca
     uintptr_t a = (uintptr_t)p;
     sp_tcache_span *s = (sp_tcache_span *)(a & ~(uintptr_t)(SP_TCACHE_SPAN - 1));
     sp_tcache_block *b = (sp_tcache_block *)p;
-    uint32_t off = (uint32_t)(a - (uintptr_t)s) - s->start;
+    uint32_t off = (uint32_t)a - s->first32;
     uint32_t q = off * s->div_mul;
     q = (q >> s->div_rot) | (q << ((32 - s->div_rot) & 31));
     if (__builtin_expect(__atomic_load_n(&s->owner, __ATOMIC_RELAXED) == c &&
