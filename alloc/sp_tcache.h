@@ -195,10 +195,14 @@ typedef struct sp_tcache_span {
     uint32_t start;   /* offset of the first block */
     uint32_t carved;  /* bytes from start cut into blocks so far */
     uint32_t div_mul; /* exact-division test for the block size: off is a multiple iff */
-    uint32_t div_rot; /*   rotr32(off * div_mul, div_rot) <= div_max */
-    uint32_t div_max; /* (offset 24 keeps owner clear of a free TLSF block's links) */
-    uint32_t pad_;
+    uint32_t div_rot; /*   rotr32(off * div_mul, div_rot) <= div_max, and then that value is */
+    uint32_t div_max; /*   off / block size (offset 24 keeps owner clear of TLSF's links) */
+    uint32_t carved_blocks; /* carved / block size: one compare of the rotated product
+                               against it tests "a carved block start" (the quotient of a
+                               non-multiple, or of an offset below start, is above it) */
     struct sp_tcache *owner;            /* read by any thread (atomically); written by the owner */
+    uint32_t first32; /* low 32 bits of the first block's address: (uint32_t)p - first32 is
+                         p's offset from it (the span is aligned to 256 KiB) */
     _Alignas(64) sp_tcache_block *free; /* owner's free list */
     uint32_t used;                      /* blocks handed out and not yet back with the owner */
 } sp_tcache_span;
@@ -237,10 +241,46 @@ void sp_tcache_span_emptied(sp_tcache_span *s);
 #endif
 
 #if SP_TCACHE_INLINE
-/* The calling thread's cache, read afresh (see Fibers above). */
+/* The calling thread's cache, read afresh (see Fibers above). x86-64: the load itself is in
+ * the asm volatile (the initial-exec sequence: GOT offset, then a %fs-relative load; the
+ * linker turns the first into an immediate in executables), one instruction less than
+ * SP_TLS_FRESH's address plus a load, with the same guarantees (memory clobber). */
 static inline __attribute__((always_inline)) sp_tcache *sp_tcache_self(void) {
+#if defined(__x86_64__)
+    sp_tcache *c;
+    __asm__ volatile("movq sp_tcache_tls@gottpoff(%%rip), %0\n\tmovq %%fs:(%0), %0"
+                     : "=r"(c)
+                     :
+                     : "memory");
+    return c;
+#else
     return *(sp_tcache **)SP_TLS_FRESH(sp_tcache_tls);
+#endif
 }
+
+/* s->used += 1 / -= 1 by the owner; status readers on other threads load it atomically. An
+ * atomic store of a computed value costs a load, the arithmetic and a store; on x86-64 one
+ * plain (unlocked) add/sub on memory is the same single-copy-atomic store. ThreadSanitizer
+ * builds keep the atomic store (it cannot see into the asm). */
+#if defined(__x86_64__) && !defined(__SANITIZE_THREAD__) && !SP_TCACHE_HAS_FEATURE_(thread_sanitizer)
+static inline __attribute__((always_inline)) void sp_tcache_used_inc_(sp_tcache_span *s) {
+    __asm__ volatile("addl $1, %0" : "+m"(s->used) : : "cc");
+}
+static inline __attribute__((always_inline)) bool sp_tcache_used_dec_(sp_tcache_span *s) {
+    bool zero;
+    __asm__ volatile("subl $1, %0" : "+m"(s->used), "=@ccz"(zero));
+    return zero;
+}
+#else
+static inline __attribute__((always_inline)) void sp_tcache_used_inc_(sp_tcache_span *s) {
+    __atomic_store_n(&s->used, s->used + 1, __ATOMIC_RELAXED);
+}
+static inline __attribute__((always_inline)) bool sp_tcache_used_dec_(sp_tcache_span *s) {
+    uint32_t used = s->used - 1;
+    __atomic_store_n(&s->used, used, __ATOMIC_RELAXED);
+    return used == 0;
+}
+#endif
 
 static inline __attribute__((always_inline)) void *sp_tcache_alloc(size_t size) {
     sp_tcache *c = sp_tcache_self();
@@ -250,7 +290,7 @@ static inline __attribute__((always_inline)) void *sp_tcache_alloc(size_t size) 
         if (__builtin_expect(b != NULL, 1)) {
             s->free = b->next;
             b->tag = 0;
-            __atomic_store_n(&s->used, s->used + 1, __ATOMIC_RELAXED);
+            sp_tcache_used_inc_(s);
             return b;
         }
     }
@@ -261,18 +301,17 @@ static inline __attribute__((always_inline)) void sp_tcache_free_in_span_(sp_tca
     uintptr_t a = (uintptr_t)p;
     sp_tcache_span *s = (sp_tcache_span *)(a & ~(uintptr_t)(SP_TCACHE_SPAN - 1));
     sp_tcache_block *b = (sp_tcache_block *)p;
-    uint32_t off = (uint32_t)(a - (uintptr_t)s) - s->start;
+    uint32_t off = (uint32_t)a - s->first32;
     uint32_t q = off * s->div_mul;
     q = (q >> s->div_rot) | (q << ((32 - s->div_rot) & 31));
-    if (__builtin_expect(__atomic_load_n(&s->owner, __ATOMIC_RELAXED) == c && off < s->carved &&
-                             q <= s->div_max && b->tag != (a ^ sp_tcache_g.key),
+    if (__builtin_expect(__atomic_load_n(&s->owner, __ATOMIC_RELAXED) == c &&
+                             q < __atomic_load_n(&s->carved_blocks, __ATOMIC_RELAXED) &&
+                             b->tag != (a ^ sp_tcache_g.key),
                          1)) {
         b->next = s->free;
         b->tag = a ^ sp_tcache_g.key;
         s->free = b;
-        uint32_t used = s->used - 1;
-        __atomic_store_n(&s->used, used, __ATOMIC_RELAXED);
-        if (__builtin_expect(used == 0, 0)) sp_tcache_span_emptied(s);
+        if (__builtin_expect(sp_tcache_used_dec_(s), 0)) sp_tcache_span_emptied(s);
         return;
     }
     sp_tcache_free_generic(p);

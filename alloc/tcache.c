@@ -86,7 +86,9 @@ TRACK_INTERNAL static void span_format(span *s, cache *c, uint32_t k) {
     s->pub.free = NULL;
     __atomic_store_n(&s->pub.used, 0, __ATOMIC_RELAXED);
     s->pub.start = class_start(bs);
+    s->pub.first32 = (uint32_t)((uintptr_t)s + s->pub.start);
     __atomic_store_n(&s->pub.carved, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&s->pub.carved_blocks, 0, __ATOMIC_RELAXED);
     span_divisor(s, bs);
     s->cls = k;
     s->block_size = bs;
@@ -118,6 +120,7 @@ TRACK_INTERNAL static bool span_carve(span *s) {
     }
     s->pub.free = head;
     __atomic_store_n(&s->pub.carved, carved + n * bs, __ATOMIC_RELAXED);
+    __atomic_store_n(&s->pub.carved_blocks, (carved + n * bs) / bs, __ATOMIC_RELAXED);
     return true;
 }
 
