@@ -80,6 +80,9 @@ static void abandon_waiters(sp_jobs *s) {
                     sp_fiber_release(s->pool, wt->job->fiber); /* wt lived on that stack */
                 } else {
                     atomic_fetch_sub(&s->deferred, wt->count);
+                    job *first = wt->job; /* wt lives in this record */
+                    if (first->kind == JOB_BATCH && atomic_fetch_sub(&first->batch->pieces, 1) == 1)
+                        free(first->batch); /* the copy of the descs: it will never run */
                 }
             }
         }
