@@ -75,11 +75,12 @@ SP_NOINLINE void jobs_counter_wake(sp_counter *c) {
 /* Put wt on c's wait list, then read the value again: a decrement that came in between found
  * no waiter (both sides are seq_cst: one sees the other). */
 void jobs_waiter_publish(sp_counter *c, waiter *wt) {
+    const int64_t target = wt->target; /* once pushed, wt may be fired and gone at any moment */
     waiter *head = atomic_load_explicit(&c->waiters, memory_order_relaxed);
     do {
         wt->next = head;
     } while (!atomic_compare_exchange_weak(&c->waiters, &head, wt));
-    if (counter_reached(c, wt->target)) jobs_counter_wake(c);
+    if (counter_reached(c, target)) jobs_counter_wake(c);
 }
 
 /* ---- counters, public ------------------------------------------------------------------ */
