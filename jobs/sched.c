@@ -421,6 +421,12 @@ static sp_fiber *job_unpark(worker *w, job *j) {
     if (j->kind == JOB_THREAD) {
         w->current_job = NULL;
         atomic_store_explicit(&w->busy, 0, memory_order_relaxed);
+        if (w->next_job) { /* the thread leaves the loop: let anyone run it */
+            job *k = w->next_job;
+            w->next_job = NULL;
+            k->next = NULL;
+            jobs_chain_push(w->s, w, k, 1);
+        }
     } else {
         w->current_job = j;
         stat_inc(&w->resumes);
@@ -437,6 +443,12 @@ static void job_resume(worker *w, sp_fiber *self, job *j) {
     switch_fiber(w, f);
 }
 
+/* Take a batch piece's finished jobs off its counter (which may be NULL). */
+static void piece_settle(job *j) {
+    if (j->completed && j->counter) counter_lower(j->counter, (int64_t)j->completed);
+    j->completed = 0;
+}
+
 /* A piece about to wait: the rest of it must not wait with it (it may be what the wait waits
  * for), so it is queued as a piece of its own (if a record is free), and the jobs it ran are
  * taken off its counter now. */
@@ -444,10 +456,7 @@ static void piece_give_back(sp_jobs *s, worker *w, job *me) {
     if (me->kind != JOB_BATCH && me->kind != JOB_PFOR) return;
     if (me->begin < me->end && piece_spawn(s, w, me, me->begin, me->end)) me->end = me->begin;
     jobs_piece_hide(s, me, false); /* what it still holds waits with it: look elsewhere */
-    if (me->completed) {
-        counter_lower(me->counter, (int64_t)me->completed);
-        me->completed = 0;
-    }
+    piece_settle(me);
 }
 
 /* Park `me`, running on w's current fiber, on c until `target`, and continue on `next` (which
@@ -612,28 +621,22 @@ void jobs_piece_run(sp_jobs *s, job *j) {
  * read the status at once. */
 static void job_run(sp_jobs *s, worker *w, job *j) {
     const sp_jobs_hooks *h = &s->desc.hooks;
+    const bool whole = j->kind != JOB_BATCH; /* a batch piece reports each of its jobs itself */
     w->current_job = j;
-    int64_t n = 1;
+    if (whole && h->job_begin) h->job_begin(h->user, w->id, j->name);
     if (j->kind == JOB_SINGLE) {
-        if (h->job_begin) h->job_begin(h->user, w->id, j->name);
         j->fn(j->arg);
-        w = jobs_current_worker();
+    } else {
+        jobs_piece_run(s, j);
+    }
+    w = jobs_current_worker();
+    if (whole) {
         if (h->job_end) h->job_end(h->user, w->id, j->name);
         stat_inc(&w->done);
-    } else {
-        if (j->kind == JOB_PFOR && h->job_begin) h->job_begin(h->user, w->id, j->name);
-        jobs_piece_run(s, j);
-        w = jobs_current_worker();
-        if (j->kind == JOB_PFOR) {
-            if (h->job_end) h->job_end(h->user, w->id, j->name);
-            stat_inc(&w->done);
-        }
-        if (j->kind == JOB_BATCH) {
-            n = (int64_t)j->completed;
-            if (atomic_fetch_sub_explicit(&j->batch->pieces, 1, memory_order_acq_rel) == 1)
-                free(j->batch);
-        }
     }
+    int64_t n = whole ? 1 : (int64_t)j->completed;
+    if (!whole && atomic_fetch_sub_explicit(&j->batch->pieces, 1, memory_order_acq_rel) == 1)
+        free(j->batch);
     w->current_job = NULL;
     sp_counter *c = j->counter;
     record_put(s, w, j);
@@ -705,14 +708,8 @@ SP_INLINE void wait_on_worker(sp_jobs *s, worker *w, sp_counter *c, int64_t targ
     if (ready && ready->fiber) {
         /* A handoff: the job this worker resumed runs next anyway; switch straight to it. */
         w->next_job = NULL;
-        if (!job_park(s, w, me, c, target, ready->fiber, ready)) {
-            if (w->next_job) { /* filled meanwhile (piece_give_back lowered a counter) */
-                ready->next = NULL;
-                jobs_chain_push(s, w, ready, 1);
-            } else {
-                w->next_job = ready;
-            }
-        }
+        /* Not parked: put `ready` back (the slot may have been filled meanwhile). */
+        if (!job_park(s, w, me, c, target, ready->fiber, ready)) jobs_job_ready(s, w, ready);
         return;
     }
     sp_fiber *next = loop_fiber_get(s, w);

@@ -418,6 +418,40 @@ static void test_stalled_shutdown(const jt_config *c) {
     S = NULL;
 }
 
+/* ---- a batch without a counter whose jobs wait ------------------------------------------ */
+
+static sp_counter *nc_gate;
+static atomic_int nc_done;
+
+static void nc_fn(void *arg) {
+    if ((intptr_t)arg & 1) sp_counter_wait(nc_gate, 0); /* the piece gives its rest back */
+    atomic_fetch_add(&nc_done, 1);
+}
+
+static void test_no_counter_waits(const jt_config *c) {
+    CFG = c;
+    sp_jobs_desc desc = desc_for(c);
+    if (sp_jobs_create(&S, &desc) != SP_OK) {
+        ok(0, "%s: create", cfg());
+        return;
+    }
+    atomic_store(&nc_done, 0);
+    nc_gate = counter("no-counter gate");
+    sp_counter_add(nc_gate, 1);
+    sp_job_desc d[8];
+    for (intptr_t i = 0; i < 8; i++) d[i] = jt_job(nc_fn, (void *)i, "no counter");
+    bool sub = sp_jobs_submit(S, d, 8, NULL) == SP_OK;
+    sp_counter_sub(nc_gate, 1);
+    sp_result r = sp_jobs_shutdown(S);
+    ok(sub && r == SP_OK && atomic_load(&nc_done) == 8,
+       "%s: a batch submitted without a counter, half its jobs waiting: all 8 ran (%d), shutdown "
+       "%s",
+       cfg(), atomic_load(&nc_done), sp_result_name(r));
+    sp_counter_destroy(nc_gate);
+    sp_jobs_destroy(S);
+    S = NULL;
+}
+
 int main(void) {
     jt_log_capture();
     sp_misuse_set_fatal(false);
@@ -434,6 +468,9 @@ int main(void) {
     test_stalled_shutdown(inl);
     jt_deadline("shutdown with work that can never run (2 workers)", 30);
     test_stalled_shutdown(two);
+    jt_deadline("batch without a counter", 30);
+    test_no_counter_waits(inl);
+    test_no_counter_waits(two);
     alarm(0);
     jt_log_release();
     return done();
