@@ -14,8 +14,7 @@
 /* ---- wait lists -------------------------------------------------------------------------- */
 
 static void waiter_fire(sp_jobs *s, waiter *wt) {
-    worker *w = jobs_current_worker();
-    if (w && w->s != s) w = NULL;
+    worker *w = jobs_worker_of(s);
     switch (wt->kind) {
     case WAIT_FIBER:
         jobs_job_ready(s, w, wt->job); /* wt dies with the parked frame once the job runs */
@@ -24,7 +23,7 @@ static void waiter_fire(sp_jobs *s, waiter *wt) {
         job *first = wt->job;
         uint32_t n = wt->count;
         atomic_fetch_sub(&s->deferred, n);
-        jobs_chain_push(s, w, first, n);
+        jobs_chain_push(s, w, first);
         break;
     }
     case WAIT_FLAG: {
@@ -34,6 +33,14 @@ static void waiter_fire(sp_jobs *s, waiter *wt) {
         break;
     }
     }
+}
+
+/* Push the waiters head..tail (linked by next) onto c's wait list; anyone may push meanwhile. */
+void jobs_waiters_push(sp_counter *c, waiter *head, waiter *tail) {
+    waiter *old = atomic_load_explicit(&c->waiters, memory_order_relaxed);
+    do {
+        tail->next = old;
+    } while (!atomic_compare_exchange_weak(&c->waiters, &old, head));
 }
 
 /* Something may wait for the value c has now: take the whole list, fire the waiters it
@@ -59,10 +66,7 @@ SP_NOINLINE void jobs_counter_wake(sp_counter *c) {
             }
         }
         if (!keep) break;
-        waiter *head = atomic_load_explicit(&c->waiters, memory_order_relaxed);
-        do {
-            keep_tail->next = head;
-        } while (!atomic_compare_exchange_weak(&c->waiters, &head, keep));
+        jobs_waiters_push(c, keep, keep_tail);
         if (atomic_load(&c->value) > keep_max) break;
     }
     while (ready) {
@@ -76,10 +80,7 @@ SP_NOINLINE void jobs_counter_wake(sp_counter *c) {
  * no waiter (both sides are seq_cst: one sees the other). */
 void jobs_waiter_publish(sp_counter *c, waiter *wt) {
     const int64_t target = wt->target; /* once pushed, wt may be fired and gone at any moment */
-    waiter *head = atomic_load_explicit(&c->waiters, memory_order_relaxed);
-    do {
-        wt->next = head;
-    } while (!atomic_compare_exchange_weak(&c->waiters, &head, wt));
+    jobs_waiters_push(c, wt, wt);
     if (counter_reached(c, target)) jobs_counter_wake(c);
 }
 
@@ -115,7 +116,6 @@ sp_counter *sp_counter_create(sp_jobs *s, const char *name) {
     s->counter_free = c->next_free;
     c->name = name;
     c->live = true;
-    c->wd_still = 0;
     c->wd_reported = false;
     sp_mutex_unlock(&s->counter_lock);
     return c;

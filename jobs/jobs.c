@@ -46,26 +46,20 @@ static void abandon_waiters(sp_jobs *s) {
             sp_counter *c = &chunk[i];
             /* Nothing runs any more: the list holds still. Threads blocked in waits stay, and
              * so does the main thread's own wait (on s->drain, while it shuts down). */
-            waiter *list = NULL, *keep = NULL;
+            waiter *list = NULL, *keep = NULL, *keep_tail = NULL;
             for (waiter *wt = atomic_exchange(&c->waiters, NULL), *next; wt; wt = next) {
                 next = wt->next;
                 if (wt->kind == WAIT_FLAG ||
                     (wt->kind == WAIT_FIBER && wt->job->kind == JOB_THREAD)) {
                     wt->next = keep;
                     keep = wt;
+                    if (!keep_tail) keep_tail = wt;
                 } else {
                     wt->next = list;
                     list = wt;
                 }
             }
-            if (keep) { /* pushed back like counter.c does: others may push meanwhile */
-                waiter *tail = keep;
-                while (tail->next) tail = tail->next;
-                waiter *head = atomic_load(&c->waiters);
-                do {
-                    tail->next = head;
-                } while (!atomic_compare_exchange_weak(&c->waiters, &head, keep));
-            }
+            if (keep) jobs_waiters_push(c, keep, keep_tail);
             for (waiter *wt = list, *next; wt; wt = next) {
                 next = wt->next;
                 bool fiber = wt->kind == WAIT_FIBER;
@@ -133,7 +127,7 @@ sp_result sp_jobs_shutdown(sp_jobs *s) {
     for (uint32_t i = 1; i <= s->nworkers; i++) {
         worker *wk = &s->workers[i];
         wk->thread_job.next = NULL;
-        jobs_chain_push(s, w, &wk->thread_job, 1);
+        jobs_chain_push(s, w, &wk->thread_job);
     }
     for (uint32_t i = 1; i <= s->nworkers; i++) sp_thread_join(s->workers[i].thread);
     if (s->watchdog_started) {
@@ -176,11 +170,10 @@ static void *watchdog_thread(void *arg) {
                 int64_t v = atomic_load(&c->value);
                 if (!waited || busy || v != c->wd_value) {
                     c->wd_value = v;
-                    c->wd_still = 0;
                     c->wd_reported = false;
                     continue;
                 }
-                if (++c->wd_still >= 1 && !c->wd_reported) {
+                if (!c->wd_reported) {
                     c->wd_reported = true;
                     sp_log(SP_LOG_ERROR, SP_ERR_STALLED, "sp_counter_wait", c,
                            "counter '%s' is waited on (value %lld, above the target) but no job "

@@ -102,7 +102,6 @@ struct sp_counter {
     bool live;             /* created and not destroyed (under s->counter_lock) */
     /* watchdog (its thread only) */
     int64_t wd_value;
-    uint32_t wd_still; /* consecutive ticks without progress while waited on */
     bool wd_reported;
 };
 _Static_assert(sizeof(sp_counter) == 64, "a counter takes one cache line");
@@ -209,10 +208,21 @@ static inline bool deque_nonempty(sp_deque *d) {
     return (ptrdiff_t)(atomic_load(&d->bottom) - atomic_load(&d->top)) > 0;
 }
 
+/* The calling thread's worker if it is one of s's, else NULL. */
+static inline worker *jobs_worker_of(sp_jobs *s) {
+    worker *w = jobs_current_worker();
+    return w && w->s == s ? w : NULL;
+}
+
+/* Indices a piece runs per step: one job of a batch, `grain` of a parallel_for. */
+static inline uint64_t piece_grain(const job *j) {
+    return j->kind == JOB_BATCH ? 1 : j->pf->grain;
+}
+
 /* sched.c */
 SP_HIDDEN void jobs_mpsc_init(mpsc *q);
 SP_HIDDEN job *jobs_records_take(sp_jobs *s, worker *w, uint32_t n);
-SP_HIDDEN void jobs_chain_push(sp_jobs *s, worker *w, job *chain, uint32_t n);
+SP_HIDDEN void jobs_chain_push(sp_jobs *s, worker *w, job *chain);
 SP_HIDDEN void jobs_job_ready(sp_jobs *s, worker *w, job *j);
 SP_HIDDEN bool jobs_wake_if_idle(sp_jobs *s, uint32_t i);
 SP_HIDDEN void jobs_switch_to(worker *w, sp_fiber *to);
@@ -223,6 +233,7 @@ SP_HIDDEN void jobs_piece_hide(sp_jobs *s, job *j, bool hides);
 /* counter.c */
 SP_HIDDEN SP_NOINLINE void jobs_counter_wake(sp_counter *c);
 SP_HIDDEN void jobs_waiter_publish(sp_counter *c, waiter *wt);
+SP_HIDDEN void jobs_waiters_push(sp_counter *c, waiter *head, waiter *tail);
 /* jobs.c */
 SP_HIDDEN void jobs_drain_check(sp_jobs *s);
 

@@ -1,5 +1,5 @@
-/* The scheduler's core (sp_jobs.h; the files are listed in sched.h): workers running a loop on
- * pooled fibers, per-priority work-stealing deques, wfcqueue injection and pinned queues, job
+/* The scheduler's core (sp_jobs.h; the files are listed in jobs_internal.h): workers running a loop
+ * on pooled fibers, per-priority work-stealing deques, wfcqueue injection and pinned queues, job
  * records, parking and resuming, lazily split pieces.
  *
  * How a worker runs. Every pooled fiber the scheduler uses runs jobs_loop_main: find a job, call
@@ -38,7 +38,7 @@
 
 static _Thread_local worker *tls_worker;
 
-/* The empty asm makes it impure (see sched.h). */
+/* The empty asm makes it impure (see jobs_internal.h). */
 worker *jobs_current_worker(void) {
     worker *w = tls_worker;
     __asm__ volatile("" : "+r"(w)::"memory");
@@ -297,7 +297,7 @@ static void record_put(sp_jobs *s, worker *w, job *j) {
  * job pinned elsewhere, NO_PIN when any worker may run it, and the caller's id for its own. */
 static uint32_t job_push(sp_jobs *s, worker *w, job *j) {
     if (j->kind == JOB_BATCH || j->kind == JOB_PFOR)
-        jobs_piece_hide(s, j, j->end - j->begin > (j->kind == JOB_BATCH ? 1 : j->pf->grain));
+        jobs_piece_hide(s, j, j->end - j->begin > piece_grain(j));
     uint32_t pin = j->resume_pin;
     if (pin == NO_PIN) {
         if (!w || !sp_deque_push_local(w->deque[j->rank], j)) mpsc_push(&s->inject[j->rank], j);
@@ -316,7 +316,7 @@ static uint32_t job_push(sp_jobs *s, worker *w, job *j) {
 }
 
 /* Push a chain of n jobs (linked by next) and wake the workers they need. */
-void jobs_chain_push(sp_jobs *s, worker *w, job *chain, uint32_t n) {
+void jobs_chain_push(sp_jobs *s, worker *w, job *chain) {
     uint32_t anyone = 0;
     uint64_t pinned = 0; /* workers other than w with new pinned jobs */
     for (job *j = chain, *next; j; j = next) {
@@ -328,7 +328,6 @@ void jobs_chain_push(sp_jobs *s, worker *w, job *chain, uint32_t n) {
             pinned |= (uint64_t)1 << pin;
         }
     }
-    (void)n;
     if (pinned) {
         atomic_thread_fence(memory_order_seq_cst); /* as in wake_idle */
         for (; pinned; pinned &= pinned - 1)
@@ -348,7 +347,7 @@ void jobs_job_ready(sp_jobs *s, worker *w, job *j) {
         return;
     }
     j->next = NULL;
-    jobs_chain_push(s, w, j, 1);
+    jobs_chain_push(s, w, j);
 }
 
 /* ---- fibers ---------------------------------------------------------------------------- */
@@ -425,7 +424,7 @@ static sp_fiber *job_unpark(worker *w, job *j) {
             job *k = w->next_job;
             w->next_job = NULL;
             k->next = NULL;
-            jobs_chain_push(w->s, w, k, 1);
+            jobs_chain_push(w->s, w, k);
         }
     } else {
         w->current_job = j;
@@ -469,7 +468,7 @@ SP_INLINE bool job_park(sp_jobs *s, worker *w, job *me, sp_counter *c, int64_t t
     waiter node = {.target = target, .kind = WAIT_FIBER, .job = me};
     me->fiber = w->current_fiber;
     /* A thread's own stack must come back to its own thread. */
-    if (w->current_fiber == w->thread_fiber && me->resume_pin != w->id) me->resume_pin = w->id;
+    if (w->current_fiber == w->thread_fiber) me->resume_pin = w->id;
     if (me->kind != JOB_THREAD) {
         stat_inc(&w->parks);
         const sp_jobs_hooks *h = &s->desc.hooks;
@@ -566,7 +565,7 @@ static bool piece_spawn(sp_jobs *s, worker *w, const job *j, uint64_t begin, uin
         atomic_fetch_add(&j->counter->value, 1);
         stat_inc(&w->submitted);
     }
-    jobs_chain_push(s, w, k, 1);
+    jobs_chain_push(s, w, k);
     return true;
 }
 
@@ -590,7 +589,7 @@ void jobs_piece_hide(sp_jobs *s, job *j, bool hides) {
  * the upper half. A step is one job of a batch, or `grain` indices of a parallel_for. */
 void jobs_piece_run(sp_jobs *s, job *j) {
     const sp_jobs_hooks *h = &s->desc.hooks;
-    const uint64_t grain = j->kind == JOB_BATCH ? 1 : j->pf->grain;
+    const uint64_t grain = piece_grain(j);
     while (j->begin < j->end) {
         worker *w = jobs_current_worker(); /* a step may wait and move us: read it every time */
         uint64_t b = j->begin, left = j->end - b;
@@ -685,7 +684,7 @@ static void wait_nested(sp_jobs *s, worker *w, job *me, sp_counter *c, int64_t t
         if (k && k->fiber) {
             /* A parked job is ready: park ourselves and switch straight to it. */
             if (!job_park(s, w, me, c, target, k->fiber, k))
-                jobs_chain_push(s, w, (k->next = NULL, k), 1);
+                jobs_chain_push(s, w, (k->next = NULL, k));
         } else if (k) {
             /* k runs on top of `me`: if k parks, `me` parks with it, so k must come back where
              * `me` may run. */
@@ -736,8 +735,8 @@ sp_result sp_counter_wait(sp_counter *c, int64_t target) {
         return sp_misuse(SP_ERR_SHUTDOWN, "sp_counter_wait", c,
                          "counter '%s' (value %lld) waited on after shutdown: nothing can reach it",
                          c->name ? c->name : "(unnamed)", (long long)atomic_load(&c->value));
-    worker *w = jobs_current_worker();
-    if (w && w->s == c->s) {
+    worker *w = jobs_worker_of(c->s);
+    if (w) {
         wait_on_worker(c->s, w, c, target);
     } else {
         wait_blocking(c, target);

@@ -26,8 +26,7 @@ static sp_result submit(sp_jobs *s, sp_counter *after, int64_t after_target, con
         if (d[i].pinned || d[i].priority != d[0].priority) as_batch = false;
     }
     if (n == 0) return SP_OK;
-    worker *w = jobs_current_worker();
-    if (w && w->s != s) w = NULL;
+    worker *w = jobs_worker_of(s);
     const uint32_t records = as_batch ? 1 : n;
     /* Jobs may submit while shutdown drains (they are pending work); others may not. A thread
      * that is not a worker counts its records before it reads `closing`; shutdown sets
@@ -93,7 +92,7 @@ static sp_result submit(sp_jobs *s, sp_counter *after, int64_t after_target, con
             return SP_OK;
         }
     }
-    jobs_chain_push(s, w, chain, records);
+    jobs_chain_push(s, w, chain);
     return SP_OK;
 }
 
@@ -118,8 +117,7 @@ sp_result sp_parallel_for(sp_jobs *s, uint64_t begin, uint64_t end, uint64_t gra
     if (end <= begin) return SP_OK;
     if (grain == 0) grain = (end - begin) / (64 * (uint64_t)(s->nworkers + 1));
     if (grain == 0) grain = 1;
-    worker *w = jobs_current_worker();
-    if (w && w->s != s) w = NULL;
+    worker *w = jobs_worker_of(s);
     if (!w) atomic_fetch_add(&s->ext_taken, 1);
     if (SP_UNLIKELY((!w || !w->current_job) && atomic_load(&s->closing))) {
         if (!w) atomic_fetch_sub(&s->ext_taken, 1);
@@ -157,7 +155,7 @@ sp_result sp_parallel_for(sp_jobs *s, uint64_t begin, uint64_t end, uint64_t gra
             *j = piece;
             atomic_fetch_add(&s->ext_submitted, 1);
             atomic_fetch_add(&c->value, 1);
-            jobs_chain_push(s, NULL, j, 1);
+            jobs_chain_push(s, NULL, j);
         } else { /* out of records: the caller does it all, serially */
             atomic_fetch_sub(&s->ext_taken, 1);
             fn(arg, begin, end);
