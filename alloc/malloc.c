@@ -106,7 +106,7 @@ EXPORT void *pvalloc(size_t size) {
         errno = ENOMEM;
         return NULL;
     }
-    return aligned(page, (size + page - 1) / page * page);
+    return aligned(page, sp_align_up(size, page));
 }
 
 EXPORT size_t malloc_usable_size(void *p) {

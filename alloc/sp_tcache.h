@@ -197,12 +197,12 @@ typedef struct sp_tcache_span {
     uint32_t div_mul; /* exact-division test for the block size: off is a multiple iff */
     uint32_t div_rot; /*   rotr32(off * div_mul, div_rot) <= div_max, and then that value is */
     uint32_t div_max; /*   off / block size (offset 24 keeps owner clear of TLSF's links) */
-    uint32_t carved_blocks; /* carved / block size: one compare of the rotated product
-                               against it tests "a carved block start" (the quotient of a
-                               non-multiple, or of an offset below start, is above it) */
-    struct sp_tcache *owner;            /* read by any thread (atomically); written by the owner */
-    uint32_t first32; /* low 32 bits of the first block's address: (uint32_t)p - first32 is
-                         p's offset from it (the span is aligned to 256 KiB) */
+    uint32_t carved_blocks;  /* carved / block size: one compare of the rotated product
+                                against it tests "a carved block start" (the quotient of a
+                                non-multiple, or of an offset below start, is above it) */
+    struct sp_tcache *owner; /* read by any thread (atomically); written by the owner */
+    uint32_t first32;        /* low 32 bits of the first block's address: (uint32_t)p - first32 is
+                                p's offset from it (the span is aligned to 256 KiB) */
     _Alignas(64) sp_tcache_block *free; /* owner's free list */
     uint32_t used;                      /* blocks handed out and not yet back with the owner */
 } sp_tcache_span;
@@ -262,7 +262,8 @@ static inline __attribute__((always_inline)) sp_tcache *sp_tcache_self(void) {
  * atomic store of a computed value costs a load, the arithmetic and a store; on x86-64 one
  * plain (unlocked) add/sub on memory is the same single-copy-atomic store. ThreadSanitizer
  * builds keep the atomic store (it cannot see into the asm). */
-#if defined(__x86_64__) && !defined(__SANITIZE_THREAD__) && !SP_TCACHE_HAS_FEATURE_(thread_sanitizer)
+#if defined(__x86_64__) && !defined(__SANITIZE_THREAD__) &&                                        \
+    !SP_TCACHE_HAS_FEATURE_(thread_sanitizer)
 static inline __attribute__((always_inline)) void sp_tcache_used_inc_(sp_tcache_span *s) {
     __asm__ volatile("addl $1, %0" : "+m"(s->used) : : "cc");
 }

@@ -48,7 +48,7 @@ uint32_t tcache_class_of(size_t n) {
 /* Offset of the first block: pow2 classes from 512 B on start aligned to min(size, 4 KiB), so
  * that aligned_alloc can use them; the rest after the header. */
 static uint32_t class_start(uint32_t bs) {
-    if ((bs & (bs - 1)) == 0 && bs >= 512) return bs < 4096 ? bs : 4096;
+    if (sp_is_pow2(bs) && bs >= 512) return bs < 4096 ? bs : 4096;
     return SPAN_HEADER;
 }
 
@@ -600,12 +600,12 @@ static where tcache_where(const void *p) {
     return IN_NONE;
 }
 
-/* Free p (any kind) under `call`. Returns false if p was refused. */
-TRACK_INTERNAL static bool block_free(void *p, const char *call) {
+/* Free p (any kind) under `call`; a bad p is reported and nothing changes. */
+TRACK_INTERNAL static void block_free(void *p, const char *call) {
     switch (tcache_where(p)) {
     case IN_SPANS: {
         span *s = (span *)((uintptr_t)p & ~(uintptr_t)(SP_TCACHE_SPAN - 1));
-        if (!tcache_block_check(s, p, call)) return false;
+        if (!tcache_block_check(s, p, call)) return;
         cache *self = (cache *)sp_tcache_tls;
         if (self == &unattached && tls_exited) {
             /* An exited thread: the fallback may own the span. */
@@ -615,7 +615,7 @@ TRACK_INTERNAL static bool block_free(void *p, const char *call) {
             else
                 block_free_remote(NULL, s, p);
             sp_mutex_unlock(&tc.fallback_lock);
-            return true;
+            return;
         }
         if (self == &unattached && sp_tcache_thread_attach() == SP_OK)
             self = (cache *)sp_tcache_tls; /* counts its remote frees from now on */
@@ -623,17 +623,16 @@ TRACK_INTERNAL static bool block_free(void *p, const char *call) {
             block_free_owner(self, s, p);
         else
             block_free_remote(self, s, p);
-        return true;
+        return;
     }
-    case IN_LARGE: return heap_free(&tc.large, p);
-    default:
-        if (tcache_ready())
+    case IN_LARGE: heap_free(&tc.large, p); return;
+    default: /* not ours; and a free must not set the allocator up just to say so */
+        if (atomic_load_explicit(&tc.ready, memory_order_acquire))
             sp_misuse(SP_ERR_FOREIGN_POINTER, call, p, "%p was not allocated by the thread caches",
                       p);
         else
             sp_misuse(SP_ERR_FOREIGN_POINTER, call, p, "%p: the thread caches are not initialised",
                       p);
-        return false;
     }
 }
 
@@ -786,14 +785,8 @@ static sp_result init_locked(const sp_tcache_desc *desc) {
     sp_tcache_g.key = key_make();
     classes_init((uint32_t)d.max_class);
     size_t half = d.region_size / 2;
-    sp_result r = heap_open(&tc.spans, "tcache spans", (char *)region, half);
-    if (r == SP_OK) r = heap_open(&tc.large, "tcache large", (char *)region + half, half);
-    if (r != SP_OK) {
-        if (tc.own_region) sp_vm_release(region, d.region_size);
-        memset(&tc.spans, 0, sizeof tc.spans);
-        memset(&tc.large, 0, sizeof tc.large);
-        return r;
-    }
+    heap_open(&tc.spans, "tcache spans", (char *)region, half);
+    heap_open(&tc.large, "tcache large", (char *)region + half, half);
     sp_tcache_g.span_base = tc.spans.base;
     tcache_cache_init(&tc.fallback, 0);
     tc.tss_ok = tss_create(&tc.tss, thread_exit) == thrd_success;

@@ -62,10 +62,10 @@ static inline bool tcache_ready(void) {
 }
 
 /* heap.c-like helpers (tcache_heap.c). */
-sp_result heap_open(heap *h, const char *name, char *base, size_t limit);
+void heap_open(heap *h, const char *name, char *base, size_t limit);
 void heap_close(heap *h);
 void *heap_alloc(heap *h, size_t align, size_t size); /* grows the heap as needed */
-bool heap_free(heap *h, void *p);                     /* false: refused (reported) */
+void heap_free(heap *h, void *p);                     /* a bad p is reported, nothing freed */
 size_t heap_usable(heap *h, const void *p);
 void *heap_realloc(heap *h, void *p, size_t size); /* NULL: not in place/no room, p intact */
 void heap_status(heap *h, sp_tlsf_status *out);
