@@ -4,9 +4,12 @@
 #ifndef BENCH_PEER_H
 #define BENCH_PEER_H
 
+#include <dlfcn.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <string.h>
 
 #include "sp_platform.h"
 
@@ -24,6 +27,19 @@
 #define PEER_NAME "glibc"
 #define PEER_LIB "libc.so"
 #endif
+
+/* The file the process malloc comes from, if it is PEER_LIB's; else NULL after saying so on
+ * stderr (`exe` names the executable in the message). */
+static inline const char *peer_malloc_lib(const char *exe) {
+    Dl_info info = {0};
+    void *sym = dlsym(RTLD_DEFAULT, "malloc");
+    if (!sym || !dladdr(sym, &info) || !info.dli_fname || !strstr(info.dli_fname, PEER_LIB)) {
+        fprintf(stderr, "%s: malloc resolves to %s, expected %s\n", exe,
+                sym && info.dli_fname ? info.dli_fname : "(unknown)", PEER_LIB);
+        return NULL;
+    }
+    return info.dli_fname;
+}
 
 typedef struct region {
     void *p;

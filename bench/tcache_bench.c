@@ -292,15 +292,9 @@ static void run_case(bench_state *st, const void *varg) {
 }
 
 static bool process_malloc_verify(void) {
-    Dl_info info = {0};
-    void *sym = dlsym(RTLD_DEFAULT, "malloc");
-    if (!sym || !dladdr(sym, &info) || !info.dli_fname || !strstr(info.dli_fname, PEER_LIB)) {
-        fprintf(stderr, "bench_tcache: malloc resolves to %s, expected %s\n",
-                sym && info.dli_fname ? info.dli_fname : "(unknown)", PEER_LIB);
-        return false;
-    }
-    fprintf(stderr, "# bench_tcache: process malloc is %s (%s)\n", PEER_NAME, info.dli_fname);
-    return true;
+    const char *lib = peer_malloc_lib("bench_tcache");
+    if (lib) fprintf(stderr, "# bench_tcache: process malloc is %s (%s)\n", PEER_NAME, lib);
+    return lib != NULL;
 }
 
 int main(int argc, char **argv) {

@@ -350,13 +350,8 @@ out_mem:
 /* ---- is the process malloc the one this binary claims? ---------------------------------- */
 
 static bool process_malloc_verify(void) {
-    Dl_info info = {0};
-    void *sym = dlsym(RTLD_DEFAULT, "malloc");
-    if (!sym || !dladdr(sym, &info) || !info.dli_fname || !strstr(info.dli_fname, PEER_LIB)) {
-        fprintf(stderr, "bench_tlsf: malloc resolves to %s, expected %s\n",
-                sym && info.dli_fname ? info.dli_fname : "(unknown)", PEER_LIB);
-        return false;
-    }
+    const char *lib = peer_malloc_lib("bench_tlsf");
+    if (!lib) return false;
     bool owned = true;
     const char *version = "";
     void *p = malloc(4096);
@@ -390,8 +385,7 @@ static bool process_malloc_verify(void) {
         fprintf(stderr, "bench_tlsf: malloc is not served by %s\n", PEER_NAME);
         return false;
     }
-    fprintf(stderr, "# bench_tlsf: process malloc is %s %s (%s)\n", PEER_NAME, version,
-            info.dli_fname);
+    fprintf(stderr, "# bench_tlsf: process malloc is %s %s (%s)\n", PEER_NAME, version, lib);
     return true;
 }
 

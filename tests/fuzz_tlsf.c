@@ -14,16 +14,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 enum { SLOTS = 32, HEAP = 256 * 1024 };
 
-static void fill(uint8_t *p, size_t n, uint8_t v) {
-    memset(p, v, n);
-}
-
-static bool filled(const uint8_t *p, size_t n, uint8_t v) {
-    for (size_t i = 0; i < n; i++)
-        if (p[i] != v) return false;
-    return true;
-}
-
 /* A free that must be refused: exactly one report, and (checked by the caller) no damage. */
 static void bad_free(sp_tlsf *t, void *p) {
     int before = ts_logged.count;
@@ -53,11 +43,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             if (slot[s]) break;
             slot[s] = op == 2 ? sp_tlsf_aligned_alloc(t, (size_t)16 << (data[i + 2] % 10), n)
                               : sp_tlsf_malloc(t, n);
-            if (slot[s]) fill(slot[s], len[s] = n, (uint8_t)s);
+            if (slot[s]) ts_fill(slot[s], len[s] = n, (uint8_t)s);
             break;
         case 3: /* free */
             if (!slot[s]) break;
-            if (!filled(slot[s], len[s], (uint8_t)s)) abort();
+            if (!ts_filled(slot[s], len[s], (uint8_t)s)) abort();
             sp_tlsf_free(t, slot[s]);
             stale[s] = slot[s];
             slot[s] = NULL;
@@ -66,9 +56,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             if (!slot[s]) break;
             uint8_t *q = sp_tlsf_realloc(t, slot[s], n);
             if (!q && n) break;
-            if (q && !filled(q, len[s] < n ? len[s] : n, (uint8_t)s)) abort();
+            if (q && !ts_filled(q, len[s] < n ? len[s] : n, (uint8_t)s)) abort();
             slot[s] = q;
-            if (q) fill(q, len[s] = n, (uint8_t)s);
+            if (q) ts_fill(q, len[s] = n, (uint8_t)s);
             break;
         }
         case 5: /* double free of a stale pointer: refused unless the address is live again */
@@ -88,7 +78,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         if (sp_tlsf_check(t) != SP_OK) abort();
     }
     for (int s = 0; s < SLOTS; s++) {
-        if (slot[s] && !filled(slot[s], len[s], (uint8_t)s)) abort();
+        if (slot[s] && !ts_filled(slot[s], len[s], (uint8_t)s)) abort();
         sp_tlsf_free(t, slot[s]);
     }
     if (sp_tlsf_destroy(t) != 0) abort();

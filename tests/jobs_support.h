@@ -9,6 +9,7 @@
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -209,6 +210,16 @@ static inline bool jt_settle(sp_jobs *s, sp_jobs_status *st) {
         if (sp_time_ns() - t0 > (uint64_t)JT_PATIENCE_MS * 1000000u) return false;
         sp_thread_yield();
     }
+}
+
+/* A counter of s, or a failed TAP line naming the configuration and exit(1). */
+static inline sp_counter *jt_counter(sp_jobs *s, const char *cfg, const char *name) {
+    sp_counter *c = sp_counter_create(s, name);
+    if (!c) {
+        ok(0, "%s: sp_counter_create(%s)", cfg, name);
+        exit(1);
+    }
+    return c;
 }
 
 static inline sp_job_desc jt_job(sp_job_fn fn, void *arg, const char *name) {

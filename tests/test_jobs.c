@@ -76,12 +76,7 @@ static void hooks_reset(void) {
 }
 
 static sp_counter *counter(const char *name) {
-    sp_counter *c = sp_counter_create(S, name);
-    if (!c) {
-        ok(0, "%s: sp_counter_create(%s)", cfg(), name);
-        exit(1);
-    }
-    return c;
+    return jt_counter(S, cfg(), name);
 }
 
 /* ---- every job exactly once ------------------------------------------------------------ */

@@ -26,12 +26,7 @@ static void run_fn(void *arg) {
 }
 
 static sp_counter *counter(const char *name) {
-    sp_counter *c = sp_counter_create(S, name);
-    if (!c) {
-        ok(0, "%s: sp_counter_create(%s)", cfg(), name);
-        exit(1);
-    }
-    return c;
+    return jt_counter(S, cfg(), name);
 }
 
 static sp_jobs_desc desc_for(const jt_config *c) {
