@@ -6,11 +6,12 @@
  * handle for its own stack (sp_fiber_thread_enter), switches to pooled fibers, and is switched
  * back to. Switching is cooperative: sp_fiber_switch(from, to) suspends `from`, the running
  * fiber, and resumes `to`. Context switch: a few instructions of assembly per architecture;
- * -Dfiber_backend=ucontext: glibc swapcontext, ~180-230 ns. Measured on the 2-vCPU x86-64 VMs:
- * 2.8 ns one way with the FP control state kept per fiber, 4.2-4.7 ns when the two fibers' FP
- * modes differ (2.0 ns with no FP state at all). An ldmxcsr that changes MXCSR's status flags
- * costs 35-60 ns, so the switch restores only the control bits (the ABI's callee-saved part)
- * and keeps the current flags: see the asm file, and bench/README.md (area `fiber`).
+ * -Dfiber_backend=ucontext: glibc swapcontext, which takes 62-63x the assembly switch's time in
+ * the same process (bench/README.md, area `fiber`: one system call per switch). The switch
+ * keeps the FP control state per fiber; an ldmxcsr that changes MXCSR's status flags is an
+ * order of magnitude slower than the whole switch (bench/README.md, "The MXCSR slowdown"), so
+ * the switch restores only the control bits (the ABI's callee-saved part) and keeps the
+ * current flags: see the asm file.
  *
  * Order: sp_fiber_pool_create, then acquire/switch/release any number of times, then
  * sp_fiber_pool_destroy once every fiber is released. Per thread: sp_fiber_thread_enter
@@ -34,8 +35,8 @@
  * Code running on a fiber must not keep the address of a thread-local variable across a switch
  * (nor anything derived from the thread: errno, a cached thread id, a thread cache pointer).
  * sp_fiber_switch is an out-of-line call the compiler cannot see through, but compilers still
- * keep TLS addresses in callee-saved registers across such calls (NOTES.md): read thread-locals
- * after a switch through a function that is not inlined into the switching one.
+ * keep TLS addresses in callee-saved registers across such calls (../shared/NOTES.md): read
+ * thread-locals after a switch through a function that is not inlined into the switching one.
  *
  * Floating-point control state (x86-64 MXCSR control bits and x87 control word, aarch64 FPCR) is
  * per fiber: a fresh fiber starts with the acquiring thread's, and a mode set on a fiber stays

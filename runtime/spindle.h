@@ -10,10 +10,10 @@
 #ifndef SPINDLE_H
 #define SPINDLE_H
 
+#include "sp_jobs.h"
 #include "sp_log.h"
 #include "sp_platform.h"
 #include "sp_tcache.h"
 #include "sp_tlsf.h"
-#include "sp_jobs.h"
 
 #endif
