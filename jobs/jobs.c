@@ -10,6 +10,9 @@
 
 static void *worker_thread(void *arg) {
     worker *w = arg;
+    const sp_jobs_hooks *h = &w->s->desc.hooks;
+    uint32_t id = w->id;
+    if (h->thread_start) h->thread_start(h->user, id);
     jobs_set_current_worker(w);
     w->thread_fiber = sp_fiber_thread_enter();
     if (!w->thread_fiber) sp_die(SP_ERR_NOMEM, "sp_jobs_create", w, "no memory for a thread fiber");
@@ -23,6 +26,7 @@ static void *worker_thread(void *arg) {
     sp_fiber_thread_leave(w->thread_fiber);
     w->thread_fiber = w->current_fiber = NULL;
     jobs_set_current_worker(NULL);
+    if (h->thread_stop) h->thread_stop(h->user, id);
     return NULL;
 }
 

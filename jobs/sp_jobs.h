@@ -101,6 +101,11 @@ typedef struct sp_jobs_hooks {
     void (*worker_sleep)(void *user, uint32_t worker);                 /* idle: futex sleep */
     void (*worker_wake)(void *user, uint32_t worker);
     void (*fiber_switch)(void *user, uint32_t worker); /* any scheduler fiber switch */
+    /* On each background worker thread: before its first job, and after its last one (at
+     * shutdown, before the thread exits). Not called for the main thread (worker 0). Unlike
+     * the others, these two may block and allocate. */
+    void (*thread_start)(void *user, uint32_t worker);
+    void (*thread_stop)(void *user, uint32_t worker);
 } sp_jobs_hooks;
 
 /* Zero means the default for every field. */

@@ -264,6 +264,11 @@ uint32_t sp_cpu_count(void) {
     return n > 0 ? (uint32_t)n : 1;
 }
 
+uint64_t sp_memory_size(void) {
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    return pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0;
+}
+
 uint64_t sp_time_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);

@@ -68,6 +68,9 @@ void sp_vm_release(void *p, size_t size);
  * affinity may change): one system call per call. */
 uint32_t sp_cpu_count(void);
 
+/* Bytes of physical memory (sysconf), 0 when unknown. One system call per call. */
+uint64_t sp_memory_size(void);
+
 /* Monotonic clock in nanoseconds (CLOCK_MONOTONIC). Cost: ~20 ns (vDSO). */
 uint64_t sp_time_ns(void);
 
