@@ -87,6 +87,19 @@ static inline void track_malloc(const void *p, size_t n, int zeroed) {
     (void)p, (void)n, (void)zeroed;
 }
 
+/* [p, p+n) was handed to the user from a pool that is reclaimed in bulk (a frame arena: no
+ * per-block free, the whole used part goes back to track_pool at reclaim). Contents undefined.
+ * Unlike track_malloc, Valgrind gets no heap block (there would be no FREELIKE to match it). */
+static inline void track_bump(const void *p, size_t n) {
+#if TRACK_ASAN
+    ASAN_UNPOISON_MEMORY_REGION(p, n);
+#endif
+#if TRACK_VALGRIND
+    VALGRIND_MAKE_MEM_UNDEFINED(p, n);
+#endif
+    (void)p, (void)n;
+}
+
 /* The user gave back the block at p, n bytes long. */
 static inline void track_free(const void *p, size_t n) {
 #if TRACK_ASAN

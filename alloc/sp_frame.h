@@ -1,0 +1,231 @@
+/* spindle frame arenas: N-buffered per-frame bump allocation for data that lives a few frames.
+ *
+ * An arena owns one address range split into `buffers` equal buffers (2 by default, up to 4).
+ * Frame i allocates from buffer i mod N; whatever frame i allocated stays valid through frame
+ * i+N-1 and is reclaimed, all at once and in O(1), when sp_frame_arena_advance starts frame i+N
+ * and that buffer comes round again. There is no per-block free.
+ *
+ * Allocation: each thread bump-allocates from a private chunk (chunk_size bytes, 64 KiB by
+ * default) of the current buffer; taking a chunk is one atomic add on the buffer's offset.
+ * Requests above chunk_size / 4 (or aligned above it) take their own range of the buffer (an
+ * atomic compare-exchange). The calling thread's chunk is found on every call through a fresh
+ * thread-pointer read (SP_TLS_FRESH, as the thread caches do), never from an address kept
+ * across a call: a job that waits and resumes on another worker allocates from that worker's
+ * chunk. A chunk is valid only while its generation matches the arena's; generations come
+ * from one process-wide counter taken at create and at every advance, so a thread's chunk of
+ * an older frame or of another (or a destroyed) arena is never used, and no per-thread
+ * registry exists. Each thread keeps one chunk per arena slot (SP_FRAME_SLOTS; an arena's slot
+ * is its creation number mod SP_FRAME_SLOTS): a thread alternating between two arenas of one
+ * slot takes a new chunk at each switch (the old chunk's rest is lost until reclaim).
+ *
+ * Running out (a buffer has no room for a chunk or a request): with SP_FRAME_OVERFLOW_NULL
+ * the call returns NULL; with SP_FRAME_OVERFLOW_HEAP the request goes to heap_alloc (default:
+ * the C library), the block is kept on the buffer's list and freed at its reclaim (or at
+ * destroy). Either way the request is counted in the buffer's `overflows`, and the first
+ * overflow of each frame is logged at SP_LOG_WARN (SP_ERR_NOMEM, "sp_frame_alloc").
+ *
+ * Memory: the buffers are committed at create (sp_vm_commit: pages are faulted in as they are
+ * first touched and stay resident afterwards: a buffer's resident size is its peak). A region
+ * of explicit huge pages given by the caller comes committed; it must be a whole number of huge
+ * pages. Destroy releases a reservation the arena made itself and decommits a given region.
+ *
+ * Debug: debug builds (SP_DEBUG >= 1) fill the used part of a buffer with 0xFD when it is
+ * reclaimed; ASan builds, and Valgrind builds (-Dvalgrind=true), instead poison it through
+ * track.h and make each allocation addressable one by one (their alloc calls are out of line),
+ * so a pointer kept past its frame i+N-1 is reported at its first use. Reclaim then costs
+ * O(bytes used); release builds (SP_DEBUG 0, no tool) reclaim in O(1) (plus one free per
+ * heap-fallback block).
+ *
+ * Order: sp_frame_arena_create; any number of frames (allocations, then one advance); destroy.
+ * Arenas are independent of each other and of the other spindle modules (no init needed).
+ *
+ * Concurrency:
+ *   sp_frame_alloc, sp_frame_aligned_alloc      any number of threads and fibers at once
+ *   sp_frame_arena_buffer_of, sp_frame_arena_frame  any thread (frame: not during advance)
+ *   sp_frame_buffer_status_get                   the advancing thread between frames (exact);
+ *                                                any thread while no advance runs (relaxed:
+ *                                                figures of running allocations may lag)
+ *   sp_frame_arena_advance, sp_frame_arena_destroy  one thread at a time, with no allocation
+ *                                                from this arena in flight (the frame loop
+ *                                                calls advance after the frame's jobs ended)
+ *   sp_frame_arena_create                        any thread
+ * None of these calls suspends the calling fiber.
+ */
+#ifndef SP_FRAME_H
+#define SP_FRAME_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "sp_log.h"
+#include "sp_platform.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define SP_FRAME_MAX_BUFFERS 4
+#define SP_FRAME_SLOTS 4                           /* chunks a thread keeps (one per slot) */
+#define SP_FRAME_DEFAULT_BUFFER ((size_t)64 << 20) /* per buffer, when the arena reserves */
+#define SP_FRAME_DEFAULT_CHUNK ((size_t)64 << 10)
+
+typedef struct sp_frame_arena sp_frame_arena;
+
+typedef enum sp_frame_overflow {
+    SP_FRAME_OVERFLOW_NULL = 0, /* a request that does not fit returns NULL */
+    SP_FRAME_OVERFLOW_HEAP = 1, /* ... is served by heap_alloc until the buffer's reclaim */
+} sp_frame_overflow;
+
+/* Zero means the default for every field. */
+typedef struct sp_frame_desc {
+    void *region;       /* reserved address range (sp_vm_reserve; PROT_NONE is fine, the arena
+                           commits it), page-aligned; NULL: the arena reserves its own */
+    size_t region_size; /* bytes of region, split into `buffers` equal page-aligned buffers
+                           (0 with a NULL region: buffers * SP_FRAME_DEFAULT_BUFFER) */
+    uint32_t buffers;   /* 0: 2; 1..SP_FRAME_MAX_BUFFERS */
+    size_t chunk_size;  /* per-thread chunk (0: SP_FRAME_DEFAULT_CHUNK; rounded up to 16, at
+                           least 1 KiB); requests above chunk_size / 4 go to the buffer directly */
+    sp_frame_overflow overflow;
+    /* Fallback for SP_FRAME_OVERFLOW_HEAP (both NULL: posix_memalign / free). align is a power
+     * of two >= 16; called from the allocating thread, concurrently. */
+    void *(*heap_alloc)(void *user, size_t align, size_t size);
+    void (*heap_free)(void *user, void *p); /* from the thread calling advance or destroy */
+    void *heap_user;
+} sp_frame_desc;
+
+typedef struct sp_frame_buffer_status {
+    uint64_t frame;        /* frame number last (or currently) using this buffer */
+    size_t bytes_used;     /* the buffer's bump offset this frame: chunks taken whole (their
+                              unused tails included), direct requests and their alignment
+                              padding; heap-fallback blocks not included. 0 after reclaim */
+    size_t peak;           /* largest bytes_used over the buffer's frames so far */
+    size_t chunks;         /* chunks taken this frame */
+    size_t overflows;      /* requests this frame that did not fit (served by the heap or
+                              refused) */
+    size_t overflow_bytes; /* bytes requested by the overflows the heap fallback served */
+    size_t capacity;       /* bytes of the buffer */
+} sp_frame_buffer_status;
+
+/* Create an arena (desc NULL: all defaults). Any thread. Cost: a small malloc'd record, a
+ * reservation unless given, an mprotect of the buffers. Returns the arena, or NULL with *err
+ * (if err is not NULL) set: SP_ERR_INVALID_ARG (misuse: more than 4 buffers, a region not
+ * page-aligned or without a size, a buffer above 4 TiB or of more than 2^19 chunks, an unknown
+ * overflow mode, a heap_alloc without heap_free or the other way round), SP_ERR_TOO_SMALL
+ * (misuse: a buffer smaller than one chunk), SP_ERR_NOMEM, SP_ERR_OS (reserve or commit). */
+sp_frame_arena *sp_frame_arena_create(const sp_frame_desc *desc, sp_result *err);
+
+/* Free every heap-fallback block, release the arena's own reservation or decommit the given
+ * region (its address range stays the caller's), free the record. NULL is ignored. See the
+ * concurrency table. Cost: O(heap-fallback blocks) + the munmap/mmap. */
+void sp_frame_arena_destroy(sp_frame_arena *a);
+
+/* void *sp_frame_alloc(sp_frame_arena *a, size_t size)
+ *   size bytes aligned to 16 from the current frame's buffer. Size 0 gives a valid pointer to
+ *   no bytes (it may equal the next allocation's). Any thread, any fiber.
+ * void *sp_frame_aligned_alloc(sp_frame_arena *a, size_t align, size_t size)
+ *   the same with any power-of-two alignment (the block's end is padded to 16).
+ * Cost: inline, a thread-pointer read, a compare and a bump (~1 ns); the out-of-line rest
+ * (sp_frame_alloc_generic) takes a new chunk (one atomic add) or a direct range (a CAS loop).
+ * Returns NULL when the buffer is exhausted in SP_FRAME_OVERFLOW_NULL mode or the heap fallback
+ * fails (both counted, see above); misuse (NULL + report): align not a power of two
+ * (SP_ERR_BAD_ALIGNMENT), size above PTRDIFF_MAX (SP_ERR_OVERFLOW). `a` must be a live arena
+ * (the inline path reads it before any check). */
+
+/* Close the current frame, start the next one, reclaim its buffer: the bump offset goes back
+ * to 0, the heap-fallback blocks of that buffer are freed (O(their count)), debug builds fill
+ * or poison the used part (O(bytes used)); release builds O(1). Fills *closed (if not NULL)
+ * with the closing frame's buffer status. Returns the new frame number (frame 0 is the first).
+ * See the concurrency table: no allocation from this arena may run during the call. */
+uint64_t sp_frame_arena_advance(sp_frame_arena *a, sp_frame_buffer_status *closed);
+
+/* The current frame number. O(1). */
+uint64_t sp_frame_arena_frame(const sp_frame_arena *a);
+
+/* The buffer holding p (0..buffers-1), -1 if p is outside the arena's buffers (heap-fallback
+ * blocks included). O(1): a subtraction and a division. Any thread. */
+int sp_frame_arena_buffer_of(const sp_frame_arena *a, const void *p);
+
+/* Status of one buffer. A buffer index >= buffers is misuse (SP_ERR_INVALID_ARG; *out zeroed).
+ * O(1). See the concurrency table. */
+void sp_frame_buffer_status_get(const sp_frame_arena *a, uint32_t buffer,
+                                sp_frame_buffer_status *out);
+
+/* ---- inline fast paths; their out-of-line rest in frame.c ------------------------------- */
+
+/* A thread's chunk of one arena slot. gen 0 never matches an arena. */
+typedef struct sp_frame_chunk {
+    uint64_t gen;
+    char *cur; /* next free byte, 16-aligned */
+    char *end;
+    char *pad_;
+} sp_frame_chunk;
+
+/* The first fields of every arena, read by the inline paths (frame.c checks the layout). */
+typedef struct sp_frame_hot_ {
+    uint64_t gen;  /* generation of the current frame (changes at every advance) */
+    uint32_t slot; /* this arena's chunk slot */
+    uint32_t pad_;
+    size_t small_max; /* larger requests or alignments go to the buffer directly */
+} sp_frame_hot_;
+
+extern _Thread_local sp_frame_chunk sp_frame_tls[SP_FRAME_SLOTS]
+    __attribute__((tls_model("initial-exec")));
+
+/* Everything: validation, chunk refill, direct requests, overflow, tracking. */
+void *sp_frame_alloc_generic(sp_frame_arena *a, size_t align, size_t size);
+
+#if !defined(__has_feature)
+#define SP_FRAME_HAS_FEATURE_(x) 0
+#else
+#define SP_FRAME_HAS_FEATURE_(x) __has_feature(x)
+#endif
+#if defined(__SANITIZE_ADDRESS__) || SP_FRAME_HAS_FEATURE_(address_sanitizer) ||                   \
+    (defined(SP_TRACK_VALGRIND) && SP_TRACK_VALGRIND) || !defined(SP_TLS_FRESH)
+#define SP_FRAME_INLINE 0
+#else
+#define SP_FRAME_INLINE 1
+#endif
+
+#if SP_FRAME_INLINE
+static inline __attribute__((always_inline)) void *sp_frame_alloc(sp_frame_arena *a, size_t size) {
+    const sp_frame_hot_ *h = (const sp_frame_hot_ *)(void *)a;
+    sp_frame_chunk *c = (sp_frame_chunk *)SP_TLS_FRESH(sp_frame_tls) + h->slot;
+    char *p = c->cur;
+    size_t n = (size + 15) & ~(size_t)15;
+    if (__builtin_expect(c->gen == h->gen && size <= h->small_max && n <= (size_t)(c->end - p),
+                         1)) {
+        c->cur = p + n;
+        return p;
+    }
+    return sp_frame_alloc_generic(a, 16, size);
+}
+
+static inline __attribute__((always_inline)) void *
+sp_frame_aligned_alloc(sp_frame_arena *a, size_t align, size_t size) {
+    const sp_frame_hot_ *h = (const sp_frame_hot_ *)(void *)a;
+    sp_frame_chunk *c = (sp_frame_chunk *)SP_TLS_FRESH(sp_frame_tls) + h->slot;
+    uintptr_t p = ((uintptr_t)c->cur + align - 1) & ~(uintptr_t)(align - 1);
+    uintptr_t e = (p + size + 15) & ~(uintptr_t)15;
+    if (__builtin_expect(c->gen == h->gen && align - 1 < h->small_max &&
+                             (align & (align - 1)) == 0 && size <= h->small_max &&
+                             e <= (uintptr_t)c->end,
+                         1)) {
+        c->cur = (char *)e;
+        return (void *)p;
+    }
+    return sp_frame_alloc_generic(a, align, size);
+}
+#else
+static inline void *sp_frame_alloc(sp_frame_arena *a, size_t size) {
+    return sp_frame_alloc_generic(a, 16, size);
+}
+static inline void *sp_frame_aligned_alloc(sp_frame_arena *a, size_t align, size_t size) {
+    return sp_frame_alloc_generic(a, align, size);
+}
+#endif
+
+#ifdef __cplusplus
+}
+#endif
+#endif

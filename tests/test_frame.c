@@ -1,0 +1,560 @@
+/* Frame arenas (sp_frame.h), single-threaded rules plus one migration check under the job
+ * scheduler: lifetime (frame i's data intact through frame i+N-1, its buffer reused at i+N),
+ * buffer_of, an alignment sweep, chunk boundaries, large requests, overflow in both modes
+ * (heap blocks freed exactly once, at reclaim), status figures, given regions, chunk slots,
+ * misuse reports, the debug fill, and jobs that wait and resume on another worker. */
+#include <stdatomic.h>
+#include <string.h>
+
+#include "sp_frame.h"
+#include "sp_jobs.h"
+#include "test_support.h"
+#include "track.h"
+
+#ifndef SP_DEBUG
+#define SP_DEBUG 0
+#endif
+
+static sp_frame_arena *make(uint32_t buffers, size_t region_size, size_t chunk,
+                            sp_frame_overflow mode) {
+    sp_result r = SP_ERR_CORRUPT;
+    sp_frame_desc d = {
+        .region_size = region_size, .buffers = buffers, .chunk_size = chunk, .overflow = mode};
+    sp_frame_arena *a = sp_frame_arena_create(&d, &r);
+    if (!a || r != SP_OK) diag("create failed: %s", sp_result_name(r));
+    return a;
+}
+
+/* A byte pattern per (frame, block) that any overlap or early reuse would break. */
+static uint8_t pattern(uint64_t frame, size_t i) {
+    return (uint8_t)(frame * 31 + i * 7 + 1);
+}
+
+/* ---- lifetime ------------------------------------------------------------------------- */
+
+enum { LIFE_BLOCKS = 300, LIFE_FRAMES = 13 };
+typedef struct life_block {
+    uint8_t *p;
+    size_t n;
+} life_block;
+
+static void test_lifetime(uint32_t nbuf) {
+    sp_frame_arena *a = make(nbuf, (size_t)nbuf << 20, 4096, SP_FRAME_OVERFLOW_NULL);
+    if (!a) {
+        ok(0, "lifetime N=%u: arena", nbuf);
+        return;
+    }
+    static life_block kept[LIFE_FRAMES][LIFE_BLOCKS];
+    void *first[LIFE_FRAMES] = {0};
+    int bad_fill = 0, bad_buffer = 0, bad_reuse = 0, bad_frame = 0;
+    ts_rng rng;
+    ts_rng_seed(&rng, nbuf);
+    for (uint64_t f = 0; f < LIFE_FRAMES; f++) {
+        bad_frame += sp_frame_arena_frame(a) != f;
+        for (size_t i = 0; i < LIFE_BLOCKS; i++) {
+            size_t n = (size_t)ts_rng_range(&rng, 1, i % 50 == 0 ? 3000 : 200);
+            uint8_t *p = sp_frame_alloc(a, n);
+            if (!p) {
+                bad_fill++;
+                continue;
+            }
+            if (i == 0) first[f] = p;
+            ts_fill(p, n, pattern(f, i));
+            kept[f][i] = (life_block){p, n};
+            bad_buffer += sp_frame_arena_buffer_of(a, p) != (int)(f % nbuf);
+        }
+        if (f >= nbuf) bad_reuse += first[f] != first[f - nbuf]; /* same buffer, offset 0 */
+        /* Every frame still alive (f-N+1 .. f) holds its data. */
+        for (uint64_t g = f + 1 > nbuf ? f + 1 - nbuf : 0; g <= f; g++)
+            for (size_t i = 0; i < LIFE_BLOCKS; i++)
+                if (kept[g][i].p && !ts_filled(kept[g][i].p, kept[g][i].n, pattern(g, i)))
+                    bad_fill++;
+        uint64_t next = sp_frame_arena_advance(a, NULL);
+        bad_frame += next != f + 1;
+    }
+    ok(bad_fill == 0 && bad_buffer == 0 && bad_frame == 0,
+       "N=%u: frame i allocates from buffer i mod N, its data intact through frame i+N-1 "
+       "(%d frames; bad fill %d, buffer %d, frame numbers %d)",
+       nbuf, LIFE_FRAMES, bad_fill, bad_buffer, bad_frame);
+    ok(bad_reuse == 0, "N=%u: the buffer comes round again at frame i+N from its start (bad %d)",
+       nbuf, bad_reuse);
+    sp_frame_arena_destroy(a);
+}
+
+/* ---- alignment, chunks, large requests, status --------------------------------------------- */
+
+static void test_alignment(void) {
+    sp_frame_arena *a = make(2, 64u << 20, 4096, SP_FRAME_OVERFLOW_NULL);
+    int bad = 0, total = 0;
+    uint8_t *ptrs[21 * 4];
+    size_t sizes[21 * 4];
+    int k = 0;
+    for (int s = 0; s <= 20; s++) { /* 1 B .. 1 MiB: beyond small_max (1 KiB) goes direct */
+        size_t align = (size_t)1 << s;
+        for (int j = 0; j < 4; j++, k++) {
+            size_t n = (size_t)j * 40 + (j == 3 ? 2000 : 1);
+            uint8_t *p = sp_frame_aligned_alloc(a, align, n);
+            total++;
+            bad += !p || ((uintptr_t)p & (align - 1)) != 0 || ((uintptr_t)p & 15) != 0 ||
+                   sp_frame_arena_buffer_of(a, p) != 0;
+            ptrs[k] = p;
+            sizes[k] = n;
+            if (p) ts_fill(p, n, (uint8_t)k);
+        }
+    }
+    for (int i = 0; i < k; i++) bad += ptrs[i] && !ts_filled(ptrs[i], sizes[i], (uint8_t)i);
+    ok(bad == 0,
+       "aligned_alloc: alignments 1 B .. 1 MiB x 4 sizes: aligned (and to 16), in "
+       "buffer 0, no overlap (%d of %d bad)",
+       bad, total);
+    sp_frame_arena_destroy(a);
+}
+
+static void test_chunks(void) {
+    /* chunk 1 KiB: small_max 256. */
+    sp_frame_arena *a = make(2, 1u << 20, 1024, SP_FRAME_OVERFLOW_NULL);
+    sp_frame_buffer_status st;
+    char *p[65];
+    for (int i = 0; i < 65; i++) p[i] = sp_frame_alloc(a, 16);
+    sp_frame_buffer_status_get(a, 0, &st);
+    int contiguous = 0;
+    for (int i = 1; i < 64; i++) contiguous += p[i] == p[i - 1] + 16;
+    ok(contiguous == 63 && p[64] == p[0] + 1024 && st.chunks == 2 && st.bytes_used == 2048,
+       "64 blocks of 16 B fill a 1 KiB chunk back to back, the 65th takes the next chunk "
+       "(chunks %zu, bytes_used %zu)",
+       st.chunks, st.bytes_used);
+    /* 1008 B left in chunk 2: 256 (small_max) fits; 257 goes direct. */
+    char *q = sp_frame_alloc(a, 256);
+    char *r = sp_frame_alloc(a, 257);
+    sp_frame_buffer_status_get(a, 0, &st);
+    ok(q == p[64] + 16 && r == p[0] + 2048 && st.chunks == 2 && st.bytes_used == 2048 + 272,
+       "256 B (chunk/4) comes from the chunk, 257 B is direct at the buffer's offset, padded to "
+       "16 (chunks %zu, bytes_used %zu)",
+       st.chunks, st.bytes_used);
+    /* A request that does not fit the rest of the chunk takes a new one; the tail is lost. */
+    for (int i = 0; i < 40; i++) sp_frame_alloc(a, 16); /* chunk 2: 16 + 256 + 640 used */
+    char *t = sp_frame_alloc(a, 200);                   /* 112 left: new chunk */
+    sp_frame_buffer_status_get(a, 0, &st);
+    ok(t == p[0] + 2048 + 272 && st.chunks == 3 && st.bytes_used == 3 * 1024 + 272,
+       "a request larger than the chunk's rest takes a fresh chunk after the direct block "
+       "(chunks %zu, bytes_used %zu)",
+       st.chunks, st.bytes_used);
+    /* Large requests: direct, exact, aligned. */
+    char *big = sp_frame_aligned_alloc(a, 4096, 100000);
+    sp_frame_buffer_status_get(a, 0, &st);
+    size_t off = (size_t)(big - p[0]);
+    ok(big && ((uintptr_t)big & 4095) == 0 && off >= 3 * 1024 + 272 &&
+           st.bytes_used == off + 100000 + 0 /* 100000 is a multiple of 16 */,
+       "100000 B aligned to 4 KiB is direct at the next 4 KiB boundary (bytes_used %zu)",
+       st.bytes_used);
+    memset(big, 7, 100000);
+    sp_frame_buffer_status closed;
+    size_t used0 = st.bytes_used;
+    sp_frame_arena_advance(a, &closed);
+    ok(closed.frame == 0 && closed.bytes_used == used0 && closed.chunks == 3 &&
+           closed.capacity == (1u << 19) && closed.overflows == 0,
+       "advance reports the closed frame: frame %llu, bytes_used %zu, chunks %zu, capacity %zu",
+       (unsigned long long)closed.frame, closed.bytes_used, closed.chunks, closed.capacity);
+    sp_frame_alloc(a, 100);
+    sp_frame_arena_advance(a, NULL); /* frame 2 reclaims buffer 0 */
+    sp_frame_buffer_status_get(a, 0, &st);
+    sp_frame_buffer_status b1;
+    sp_frame_buffer_status_get(a, 1, &b1);
+    ok(st.frame == 2 && st.bytes_used == 0 && st.chunks == 0 && st.peak == used0 && b1.frame == 1 &&
+           b1.bytes_used == 1024 && b1.chunks == 1,
+       "after reclaim: buffer 0 frame 2, used 0, peak %zu kept; buffer 1 frame 1 used %zu", st.peak,
+       b1.bytes_used);
+    sp_frame_arena_destroy(a);
+}
+
+static void test_size_zero_and_buffer_of(void) {
+    sp_frame_arena *a = make(3, 3u << 20, 0, SP_FRAME_OVERFLOW_NULL);
+    char *z = sp_frame_alloc(a, 0);
+    char *y = sp_frame_alloc(a, 1);
+    int b[3];
+    char *p[3];
+    for (int i = 0; i < 3; i++) {
+        p[i] = sp_frame_alloc(a, 64);
+        b[i] = sp_frame_arena_buffer_of(a, p[i]);
+        sp_frame_arena_advance(a, NULL);
+    }
+    sp_frame_buffer_status st;
+    sp_frame_buffer_status_get(a, 0, &st);
+    int stack;
+    ok(z != NULL && y == z && b[0] == 0 && b[1] == 1 && b[2] == 2 &&
+           sp_frame_arena_buffer_of(a, &stack) == -1 && sp_frame_arena_buffer_of(a, NULL) == -1 &&
+           sp_frame_arena_buffer_of(a, z + st.capacity * 3) == -1 &&
+           sp_frame_arena_buffer_of(a, z + st.capacity * 3 - 1) == 2 &&
+           sp_frame_arena_buffer_of(a, z - 1) == -1,
+       "size 0 gives a pointer to no bytes; buffer_of: 0, 1, 2 per frame, -1 outside (got %d "
+       "%d %d)",
+       b[0], b[1], b[2]);
+    sp_frame_arena_destroy(a);
+}
+
+/* ---- overflow ------------------------------------------------------------------------------ */
+
+enum { HEAP_MAX = 4096 };
+static struct counting_heap {
+    void *block[HEAP_MAX];
+    int freed[HEAP_MAX];
+    int allocs, frees, bad_free;
+} heap;
+
+static void *heap_alloc_counting(void *user, size_t align, size_t size) {
+    if (user != &heap || heap.allocs >= HEAP_MAX) return NULL;
+    void *p = NULL;
+    if (posix_memalign(&p, align, size) != 0) return NULL;
+    heap.block[heap.allocs++] = p;
+    return p;
+}
+
+/* Addresses come back after a free: a free matches the live entry of its address (one at a
+ * time); a free of an address with no live entry counts against its last entry (twice). */
+static void heap_free_counting(void *user, void *p) {
+    int last = -1;
+    for (int i = 0; i < heap.allocs; i++)
+        if (heap.block[i] == p) {
+            last = i;
+            if (heap.freed[i] == 0) break;
+        }
+    if (user != &heap || last < 0) {
+        heap.bad_free++;
+        return;
+    }
+    if (heap.freed[last]++ == 0) free(p);
+    heap.frees++;
+}
+
+static void test_overflow_null(void) {
+    ts_log_capture();
+    /* 2 buffers of 64 KiB, chunks of 4 KiB. */
+    sp_frame_arena *a = make(2, 128u << 10, 4096, SP_FRAME_OVERFLOW_NULL);
+    size_t got = 0, refused = 0;
+    for (int i = 0; i < 1000; i++) {
+        void *p = sp_frame_alloc(a, 200);
+        if (p)
+            got++;
+        else
+            refused++;
+    }
+    sp_frame_buffer_status st;
+    sp_frame_buffer_status_get(a, 0, &st);
+    int logs = ts_logged.count;
+    sp_result id = ts_logged.last_id;
+    ok(refused > 0 && st.overflows == refused && st.bytes_used <= st.capacity &&
+           st.bytes_used >= st.capacity - 4096 && st.overflow_bytes == 0 && got * 208 <= 65536,
+       "NULL mode: %zu served, %zu refused and counted (overflows %zu), bytes_used %zu of %zu", got,
+       refused, st.overflows, st.bytes_used, st.capacity);
+    ok(logs == 1 && id == SP_ERR_NOMEM, "the frame's first overflow is logged once (%d records)",
+       logs);
+    sp_frame_arena_advance(a, NULL);
+    sp_frame_arena_advance(a, NULL); /* buffer 0 again */
+    void *p = sp_frame_alloc(a, 200);
+    sp_frame_buffer_status_get(a, 0, &st);
+    ok(p && sp_frame_arena_buffer_of(a, p) == 0 && st.overflows == 0,
+       "after its reclaim the buffer serves again, overflows back to 0");
+    sp_frame_arena_destroy(a);
+    ts_log_release();
+}
+
+static void test_overflow_heap(void) {
+    ts_log_capture();
+    memset(&heap, 0, sizeof heap);
+    sp_frame_desc d = {.region_size = 128u << 10,
+                       .buffers = 2,
+                       .chunk_size = 4096,
+                       .overflow = SP_FRAME_OVERFLOW_HEAP,
+                       .heap_alloc = heap_alloc_counting,
+                       .heap_free = heap_free_counting,
+                       .heap_user = &heap};
+    sp_frame_arena *a = sp_frame_arena_create(&d, NULL);
+    int bad = 0;
+    size_t from_heap = 0, heap_bytes = 0;
+    for (int f = 0; f < 4; f++) {
+        for (int i = 0; i < 500; i++) {
+            size_t n = 100 + (size_t)i % 150, al = i % 7 == 0 ? 256 : 16;
+            uint8_t *p = sp_frame_aligned_alloc(a, al, n);
+            if (!p || ((uintptr_t)p & (al - 1))) {
+                bad++;
+                continue;
+            }
+            ts_fill(p, n, (uint8_t)i);
+            if (sp_frame_arena_buffer_of(a, p) < 0) {
+                from_heap++;
+                heap_bytes += n;
+            }
+        }
+        if (f == 1) {
+            /* Frame 1 is still open: frame 0's blocks are alive, none freed yet. */
+            bad += heap.frees != 0;
+        }
+        sp_frame_buffer_status closed;
+        sp_frame_arena_advance(a, &closed);
+        bad += closed.overflow_bytes != heap_bytes || closed.overflows != from_heap;
+        from_heap = heap_bytes = 0;
+    }
+    int allocs = heap.allocs, frees_before = heap.frees;
+    sp_frame_arena_destroy(a);
+    int twice = 0, never = 0;
+    for (int i = 0; i < heap.allocs; i++) {
+        twice += heap.freed[i] > 1;
+        never += heap.freed[i] == 0;
+    }
+    ok(bad == 0 && allocs > 0,
+       "HEAP mode: every request served and aligned, overflow count and bytes per frame match "
+       "the heap blocks (%d heap blocks, bad %d)",
+       allocs, bad);
+    ok(frees_before > 0 && frees_before < allocs,
+       "heap blocks are freed when their buffer is reclaimed (%d of %d before destroy)",
+       frees_before, allocs);
+    ok(twice == 0 && never == 0 && heap.bad_free == 0 && heap.frees == allocs,
+       "each heap block freed exactly once by the end (twice %d, never %d, foreign %d)", twice,
+       never, heap.bad_free);
+    ts_log_release();
+}
+
+/* ---- regions and slots ------------------------------------------------------------------------
+ */
+
+static void test_given_region(bool huge) {
+    size_t size = 8u << 20;
+    sp_page_kind kind = SP_PAGES_NORMAL;
+    void *r = sp_vm_reserve(size, 0, huge, &kind);
+    if (!r) {
+        ok(0, "reserve");
+        return;
+    }
+    sp_result err = SP_ERR_CORRUPT;
+    sp_frame_arena *a = sp_frame_arena_create(
+        &(sp_frame_desc){.region = r, .region_size = size, .buffers = 4}, &err);
+    int bad = !a;
+    for (int f = 0; a && f < 8; f++) {
+        uint8_t *p = sp_frame_alloc(a, 1000);
+        uint8_t *q = sp_frame_aligned_alloc(a, 65536, 300000);
+        bad += !p || !q || (uint8_t *)p < (uint8_t *)r || q + 300000 > (uint8_t *)r + size;
+        if (p && q) {
+            memset(p, 1, 1000);
+            memset(q, 2, 300000);
+        }
+        bad += sp_frame_arena_buffer_of(a, q) != f % 4;
+        sp_frame_arena_advance(a, NULL);
+    }
+    sp_frame_arena_destroy(a);
+    ok(bad == 0 && err == SP_OK,
+       "a given region (%s pages) split into 4 buffers of 2 MiB serves and reclaims (bad %d)",
+       kind == SP_PAGES_HUGE          ? "huge"
+       : kind == SP_PAGES_TRANSPARENT ? "transparent huge"
+                                      : "base",
+       bad);
+    sp_vm_release(r, size);
+}
+
+static void test_slots(void) {
+    /* A destroyed arena's chunk left in this thread's slot is never used by a later one. */
+    sp_frame_arena *old = make(2, 0, 0, SP_FRAME_OVERFLOW_NULL);
+    sp_frame_alloc(old, 32);
+    sp_frame_arena_destroy(old);
+    sp_frame_arena *as[SP_FRAME_SLOTS + 1];
+    int bad = 0;
+    for (int i = 0; i <= SP_FRAME_SLOTS; i++) as[i] = make(2, 1u << 20, 4096, 0);
+    for (int round = 0; round < 100; round++)
+        for (int i = 0; i < SP_FRAME_SLOTS; i++) {
+            void *p = sp_frame_alloc(as[i], 16);
+            bad += sp_frame_arena_buffer_of(as[i], p) != 0;
+        }
+    int chunks = 0;
+    for (int i = 0; i < SP_FRAME_SLOTS; i++) {
+        sp_frame_buffer_status st;
+        sp_frame_buffer_status_get(as[i], 0, &st);
+        chunks += (int)st.chunks;
+    }
+    ok(bad == 0 && chunks == SP_FRAME_SLOTS,
+       "%d arenas used in turn keep one chunk each (chunks %d), no block from a dead arena's "
+       "chunk (bad %d)",
+       SP_FRAME_SLOTS, chunks, bad);
+    /* Two arenas sharing a slot alternate: each switch takes a new chunk, blocks stay right. */
+    for (int i = 0; i < 10; i++) {
+        bad += sp_frame_arena_buffer_of(as[0], sp_frame_alloc(as[0], 16)) != 0;
+        bad += sp_frame_arena_buffer_of(as[SP_FRAME_SLOTS],
+                                        sp_frame_alloc(as[SP_FRAME_SLOTS], 16)) != 0;
+    }
+    ok(bad == 0, "arenas sharing a slot never serve from each other's chunk");
+    for (int i = 0; i <= SP_FRAME_SLOTS; i++) sp_frame_arena_destroy(as[i]);
+}
+
+/* ---- misuse ------------------------------------------------------------------------------- */
+
+static void test_misuse(void) {
+    ts_log_capture();
+    sp_frame_arena *a = make(2, 1u << 20, 4096, SP_FRAME_OVERFLOW_NULL);
+    void *p = sp_frame_aligned_alloc(a, 48, 10);
+    ok(p == NULL && ts_logged.last_id == SP_ERR_BAD_ALIGNMENT &&
+           strcmp(ts_logged.last_call, "sp_frame_aligned_alloc") == 0 && ts_logged.last_addr == a,
+       "alignment 48: NULL, SP_ERR_BAD_ALIGNMENT from sp_frame_aligned_alloc naming the arena");
+    ts_log_reset();
+    p = sp_frame_aligned_alloc(a, 0, 10);
+    ok(p == NULL && ts_logged.last_id == SP_ERR_BAD_ALIGNMENT, "alignment 0: refused");
+    ts_log_reset();
+    p = sp_frame_alloc(a, SIZE_MAX - 8);
+    ok(p == NULL && ts_logged.last_id == SP_ERR_OVERFLOW &&
+           strcmp(ts_logged.last_call, "sp_frame_alloc") == 0,
+       "size SIZE_MAX - 8: NULL, SP_ERR_OVERFLOW from sp_frame_alloc");
+    sp_frame_buffer_status st;
+    sp_frame_buffer_status_get(a, 0, &st);
+    ok(st.bytes_used == 0 && st.overflows == 0, "refused misuse changes nothing");
+    ts_log_reset();
+    sp_frame_buffer_status_get(a, 2, &st);
+    ok(ts_logged.last_id == SP_ERR_INVALID_ARG && st.capacity == 0,
+       "status of buffer 2 of 2: SP_ERR_INVALID_ARG, zeroed");
+    sp_frame_arena_destroy(a);
+
+    sp_result r = SP_OK;
+    ts_log_reset();
+    ok(!sp_frame_arena_create(&(sp_frame_desc){.buffers = 5}, &r) && r == SP_ERR_INVALID_ARG &&
+           ts_logged.last_id == SP_ERR_INVALID_ARG,
+       "5 buffers: create fails, SP_ERR_INVALID_ARG");
+    ts_log_reset();
+    ok(!sp_frame_arena_create(&(sp_frame_desc){.region_size = 64u << 10, .buffers = 2}, &r) &&
+           r == SP_ERR_TOO_SMALL && ts_logged.last_id == SP_ERR_TOO_SMALL,
+       "64 KiB for 2 buffers with 64 KiB chunks: SP_ERR_TOO_SMALL");
+    void *reg = sp_vm_reserve(1u << 20, 0, false, NULL);
+    ts_log_reset();
+    ok(!sp_frame_arena_create(&(sp_frame_desc){.region = (char *)reg + 16, .region_size = 1u << 19},
+                              &r) &&
+           r == SP_ERR_INVALID_ARG && ts_logged.count == 1,
+       "a region that is not page-aligned: SP_ERR_INVALID_ARG");
+    ts_log_reset();
+    ok(!sp_frame_arena_create(&(sp_frame_desc){.region = reg}, &r) && r == SP_ERR_INVALID_ARG,
+       "a region without a size: SP_ERR_INVALID_ARG");
+    sp_vm_release(reg, 1u << 20);
+    ts_log_reset();
+    ok(!sp_frame_arena_create(&(sp_frame_desc){.heap_alloc = heap_alloc_counting}, &r) &&
+           r == SP_ERR_INVALID_ARG,
+       "heap_alloc without heap_free: SP_ERR_INVALID_ARG");
+    ts_log_reset();
+    ok(!sp_frame_arena_create(&(sp_frame_desc){.overflow = (sp_frame_overflow)7}, &r) &&
+           r == SP_ERR_INVALID_ARG,
+       "unknown overflow mode: SP_ERR_INVALID_ARG");
+    ts_log_release();
+}
+
+/* Debug builds without a memory tool fill a reclaimed buffer's used part with 0xFD. */
+static void test_debug_fill(void) {
+    if (SP_DEBUG < 1 || TRACK_ASAN || TRACK_VALGRIND) {
+        ok(1, "# SKIP the 0xFD fill is for debug builds without ASan/Valgrind");
+        return;
+    }
+    sp_frame_arena *a = make(2, 1u << 20, 4096, SP_FRAME_OVERFLOW_NULL);
+    volatile uint8_t *p = sp_frame_alloc(a, 100);
+    memset((void *)p, 0x11, 100);
+    sp_frame_arena_advance(a, NULL);
+    bool intact = p[0] == 0x11 && p[99] == 0x11;
+    sp_frame_arena_advance(a, NULL);
+    bool filled = p[0] == 0xFD && p[99] == 0xFD && p[4095] == 0xFD;
+    ok(intact && filled, "debug build: frame 0's data intact in frame 1, 0xFD from frame 2 on");
+    sp_frame_arena_destroy(a);
+}
+
+/* ---- migration ------------------------------------------------------------------------- */
+
+enum { PAIRS = 8, PER = 6, MIN_ROUNDS = 10, MAX_ROUNDS = 3000, WANT_MIGRATIONS = 16 };
+static atomic_int wrong_before, wrong_after, migrations, waits;
+static sp_frame_arena *mig_arena;
+
+typedef struct pair {
+    sp_counter *go;
+} pair;
+
+/* Whether [p, p+n) was just bumped from the running thread's current chunk of arena a: the
+ * thread's chunk (read here, in a call of its own after any suspension) is this frame's and
+ * ends right after p's block or later. */
+static __attribute__((noinline)) bool from_running_chunk(sp_frame_arena *a, const void *p,
+                                                         size_t n) {
+    const sp_frame_hot_ *h = (const sp_frame_hot_ *)(void *)a;
+    const sp_frame_chunk *c = &sp_frame_tls[h->slot];
+    const char *q = p;
+    return c->gen == h->gen && q >= c->end - SP_FRAME_DEFAULT_CHUNK && q + n <= c->cur;
+}
+
+static void waiter_job(void *arg) {
+    pair *pr = arg;
+    uint64_t a = sp_thread_os_id();
+    for (int i = 0; i < PER; i++) {
+        size_t n = 24 + (size_t)i * 40;
+        void *p = sp_frame_alloc(mig_arena, n);
+        if (!p || !from_running_chunk(mig_arena, p, n)) atomic_fetch_add(&wrong_before, 1);
+    }
+    sp_counter_wait(pr->go, 0);
+    uint64_t b = sp_thread_os_id();
+    for (int i = 0; i < PER; i++) {
+        size_t n = 24 + (size_t)i * 40;
+        void *p = sp_frame_alloc(mig_arena, n);
+        if (!p || !from_running_chunk(mig_arena, p, n)) atomic_fetch_add(&wrong_after, 1);
+    }
+    if (a != b) atomic_fetch_add(&migrations, 1);
+    atomic_fetch_add(&waits, 1);
+}
+
+static void signal_job(void *arg) {
+    pair *pr = arg;
+    for (volatile int i = 0; i < 2000; i++) {
+    }
+    sp_counter_sub(pr->go, 1);
+}
+
+static void test_migration(void) {
+    sp_jobs *s = NULL;
+    mig_arena = make(2, 0, 0, SP_FRAME_OVERFLOW_NULL);
+    if (sp_jobs_create(&s, &(sp_jobs_desc){.workers = 4}) != SP_OK || !mig_arena) {
+        ok(0, "scheduler and arena");
+        ok(0, "migration");
+        return;
+    }
+    sp_counter *round = sp_counter_create(s, "round");
+    pair pairs[PAIRS];
+    sp_job_desc waiters[PAIRS], signals[PAIRS];
+    for (int i = 0; i < PAIRS; i++) {
+        pairs[i].go = sp_counter_create(s, "go");
+        waiters[i] = (sp_job_desc){.fn = waiter_job, .arg = &pairs[i], .name = "waiter"};
+        signals[i] = (sp_job_desc){.fn = signal_job, .arg = &pairs[i], .name = "signal"};
+    }
+    int rounds = 0;
+    while (rounds < MAX_ROUNDS &&
+           (rounds < MIN_ROUNDS || atomic_load(&migrations) < WANT_MIGRATIONS)) {
+        for (int i = 0; i < PAIRS; i++) sp_counter_add(pairs[i].go, 1);
+        sp_jobs_submit(s, waiters, PAIRS, round);
+        sp_jobs_submit(s, signals, PAIRS, round);
+        sp_counter_wait(round, 0);
+        sp_frame_arena_advance(mig_arena, NULL); /* between frames: no allocation in flight */
+        rounds++;
+    }
+    for (int i = 0; i < PAIRS; i++) sp_counter_destroy(pairs[i].go);
+    sp_counter_destroy(round);
+    sp_jobs_destroy(s);
+    ok(atomic_load(&waits) == rounds * PAIRS && atomic_load(&migrations) >= WANT_MIGRATIONS,
+       "%d rounds of %d waiting jobs; %d resumed on another worker", rounds, PAIRS,
+       atomic_load(&migrations));
+    ok(atomic_load(&wrong_before) == 0 && atomic_load(&wrong_after) == 0,
+       "every block came from the chunk of the thread running the job, before and after its "
+       "wait (wrong %d / %d)",
+       atomic_load(&wrong_before), atomic_load(&wrong_after));
+    sp_frame_arena_destroy(mig_arena);
+}
+
+int main(void) {
+    plan(40);
+    for (uint32_t n = 1; n <= 4; n++) test_lifetime(n);
+    test_alignment();
+    test_chunks();
+    test_size_zero_and_buffer_of();
+    test_overflow_null();
+    test_overflow_heap();
+    test_given_region(false);
+    test_given_region(true);
+    test_slots();
+    test_misuse();
+    test_debug_fill();
+    test_migration();
+    return done();
+}
