@@ -144,8 +144,9 @@ TRACK_INTERNAL static hblk *block_take(sp_handle_heap *h, uint32_t units, size_t
     return b;
 }
 
-static sp_handle handle_alloc(sp_handle_heap *h, size_t size, size_t align,
-                              sp_handle_relocate_fn fn, void *user, const char *call) {
+TRACK_INTERNAL static sp_handle handle_alloc(sp_handle_heap *h, size_t size, size_t align,
+                                             sp_handle_relocate_fn fn, void *user,
+                                             const char *call) {
     sp_handle none = {0};
     if (!h) {
         sp_misuse(SP_ERR_INVALID_ARG, call, NULL, "NULL heap");

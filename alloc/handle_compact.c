@@ -16,7 +16,7 @@ typedef struct step {
     uint64_t moved, blocks;
 } step;
 
-static hcold *cold_of(const sp_handle_heap *h, const hblk *b) {
+TRACK_INTERNAL static hcold *cold_of(const sp_handle_heap *h, const hblk *b) {
     return &h->cold[id_index(h, b->id)];
 }
 
@@ -247,7 +247,8 @@ TRACK_INTERNAL static int hole_close(sp_handle_heap *h, step *st, hblk *H) {
     return HOLE_LEFT; /* a pinned (or unmovably aligned) block right above, nothing fits */
 }
 
-sp_result sp_handle_compact(sp_handle_heap *h, uint64_t budget_ns, sp_handle_compact_stats *out) {
+TRACK_INTERNAL sp_result sp_handle_compact(sp_handle_heap *h, uint64_t budget_ns,
+                                           sp_handle_compact_stats *out) {
     if (out) memset(out, 0, sizeof *out);
     if (!h) return sp_misuse(SP_ERR_INVALID_ARG, "sp_handle_compact", NULL, "NULL heap");
     if (__atomic_load_n(&h->compacting, __ATOMIC_RELAXED))
