@@ -36,6 +36,10 @@ const char *sp_result_name(sp_result r) {
     case SP_ERR_CORRUPT: return "SP_ERR_CORRUPT";
     case SP_ERR_SHUTDOWN: return "SP_ERR_SHUTDOWN";
     case SP_ERR_STALLED: return "SP_ERR_STALLED";
+    case SP_ERR_STALE_HANDLE: return "SP_ERR_STALE_HANDLE";
+    case SP_ERR_PINNED: return "SP_ERR_PINNED";
+    case SP_ERR_NOT_PINNED: return "SP_ERR_NOT_PINNED";
+    case SP_ERR_BUSY: return "SP_ERR_BUSY";
     }
     return "SP_ERR_UNKNOWN";
 }

@@ -43,6 +43,11 @@ typedef enum sp_result {
     SP_ERR_CORRUPT = -11,        /* internal: metadata check failed */
     SP_ERR_SHUTDOWN = -12,       /* the subsystem is shut down or not initialised */
     SP_ERR_STALLED = -13,        /* a wait or deferred job that nothing can complete */
+    SP_ERR_STALE_HANDLE = -14,   /* misuse: a handle whose object was freed, or forged */
+    SP_ERR_PINNED = -15,         /* misuse: freeing a block that is still pinned */
+    SP_ERR_NOT_PINNED = -16,     /* misuse: unpin without a matching pin */
+    SP_ERR_BUSY = -17,           /* misuse: a call not allowed now (compaction while jobs run,
+                                    or from inside a compaction callback) */
 } sp_result;
 
 /* A stable name for a result ("SP_ERR_DOUBLE_FREE"), never NULL. */

@@ -26,6 +26,10 @@ static void test_result_names(void) {
         {SP_ERR_CORRUPT, "SP_ERR_CORRUPT"},
         {SP_ERR_SHUTDOWN, "SP_ERR_SHUTDOWN"},
         {SP_ERR_STALLED, "SP_ERR_STALLED"},
+        {SP_ERR_STALE_HANDLE, "SP_ERR_STALE_HANDLE"},
+        {SP_ERR_PINNED, "SP_ERR_PINNED"},
+        {SP_ERR_NOT_PINNED, "SP_ERR_NOT_PINNED"},
+        {SP_ERR_BUSY, "SP_ERR_BUSY"},
     };
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
         const char *got = sp_result_name(all[i].id);
@@ -158,7 +162,7 @@ static void test_restore_stderr(void) {
 }
 
 int main(void) {
-    plan(37);
+    plan(41);
     test_result_names();    /* 14 */
     test_capture();         /* 8 */
     test_misuse_nonfatal(); /* 3 */

@@ -1,0 +1,132 @@
+/* Internal layout of the handle heap, shared by handle.c (calls, table), handle_space.c (blocks
+ * and holes) and handle_compact.c (moving). Never included from a public header. */
+#ifndef SP_HANDLE_INTERNAL_H
+#define SP_HANDLE_INTERNAL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "sp_handle.h"
+#include "sp_internal.h"
+#include "sp_platform.h"
+#include "track.h"
+
+/* Sizes are counted in units of 16 bytes (the granule; every block starts on one). */
+#define HUNIT 16u
+#define HUNIT_SHIFT 4
+#define HMIN_UNITS 2u                   /* a free block needs a header and two links */
+#define HCOMMIT_STEP ((size_t)64 << 10) /* commit granularity */
+#define HMAX_REGION ((size_t)64 << 30)  /* 2^32 units */
+#define HCLASSES 256                    /* free-list classes, see class_of */
+#define HMAX_ALIGN 4096u
+
+/* Every block, live or free, starts with this header. Invariants: size covers the header;
+ * a block's successor starts size units later (the top ends the sequence); prev is the
+ * predecessor's size (0 for the first block); no two free blocks are neighbours; the block
+ * ending at the top is never free (it would have become part of the top). */
+typedef struct hblk {
+    uint32_t size; /* units, header included */
+    uint32_t prev; /* units of the block below, 0 at the bottom */
+    uint32_t id;   /* owning handle id; 0 = free */
+    uint32_t pins; /* atomic; live blocks only */
+} hblk;
+
+/* A free block's payload: its links in the list of its size class. */
+typedef struct hfree {
+    hblk head;
+    struct hfree *next, *prev_free;
+} hfree;
+
+/* Per slot data that only the lock holder (or compaction) reads: beside the table, never read
+ * without the lock, so it can grow by realloc. */
+typedef struct hcold {
+    size_t size; /* bytes asked for */
+    sp_handle_relocate_fn fn;
+    void *user;
+    uint32_t last_id;   /* the id last freed from this slot (tells double from stale frees) */
+    uint32_t next_free; /* FIFO of free slots; UINT32_MAX ends it */
+    uint8_t align_log2;
+} hcold;
+
+struct sp_handle_heap {
+    sp_handle_heap_head head; /* first: sp_handle_resolve reads it */
+    sp_mutex lock;
+    uint32_t index_bits;
+    uint32_t index_full; /* (1 << index_bits) - 1 */
+    uint32_t gen_max;
+    uint32_t max_handles;
+    uint32_t slots_used; /* slots ever handed out: [0, slots_used) */
+    uint32_t free_head, free_tail;
+    uint32_t retired_slots;
+    hcold *cold;
+    sp_handle_table *retired; /* kept until destroy when desc.retire is NULL */
+    /* space */
+    char *base, *top, *committed, *end;
+    uint32_t top_prev; /* size of the block ending at top (0: none) */
+    bool own_region;
+    size_t live_bytes, live_handles, hole_bytes;
+    uint64_t bitmap[HCLASSES / 64];
+    hfree *lists[HCLASSES];
+    /* compaction */
+    int compacting; /* atomic flag: a compaction call is running (callbacks included) */
+    char *scan;     /* the current pass continues here (a block start, or >= top) */
+    char *low;      /* lowest hole left behind the scan this pass, or NULL */
+    bool caught_up;
+    double bytes_per_tick; /* measured move bandwidth, for the budget estimate */
+    double ns_per_tick;
+    uint64_t moved_last, moved_total, compact_ns_last;
+    sp_handle_heap_desc desc;
+};
+
+/* ---- blocks (handle_space.c) ---- */
+TRACK_INTERNAL SP_INLINE hblk *blk_next(const hblk *b) {
+    return (hblk *)((char *)b + ((size_t)b->size << HUNIT_SHIFT));
+}
+TRACK_INTERNAL SP_INLINE hblk *blk_prev(const hblk *b) {
+    return (hblk *)((char *)b - ((size_t)b->prev << HUNIT_SHIFT));
+}
+SP_INLINE void *blk_payload(const hblk *b) {
+    return (char *)b + sizeof(hblk);
+}
+SP_INLINE hblk *blk_of(const void *p) {
+    return (hblk *)((char *)p - sizeof(hblk));
+}
+SP_INLINE size_t units_bytes(uint32_t u) {
+    return (size_t)u << HUNIT_SHIFT;
+}
+/* Units a block of `size` bytes needs (header included); 0 if it cannot be represented. */
+SP_INLINE uint32_t units_for(size_t size) {
+    if (size > HMAX_REGION) return 0;
+    size_t u = (size + HUNIT - 1) / HUNIT + 1;
+    return u < HMIN_UNITS ? HMIN_UNITS : (uint32_t)u;
+}
+
+SP_HIDDEN void space_hole_insert(sp_handle_heap *h, hblk *b);
+SP_HIDDEN void space_hole_remove(sp_handle_heap *h, hblk *b);
+/* A hole of at least `units`, removed from its list; NULL if none. O(1). */
+SP_HIDDEN hblk *space_hole_find(sp_handle_heap *h, uint32_t units);
+/* Make [b, b+units) a free block: coalesce with free neighbours or join the top. Returns the
+ * resulting hole (NULL when it joined the top). Adjusts the compaction scan. */
+SP_HIDDEN hblk *space_release(sp_handle_heap *h, hblk *b, uint32_t units);
+/* Write a header at b for a block of `units` whose predecessor has `prev` units, and fix the
+ * successor's prev (or top_prev). */
+SP_HIDDEN void space_header(sp_handle_heap *h, hblk *b, uint32_t units, uint32_t prev);
+/* Grow committed memory so that [.., need) is usable. SP_OK or SP_ERR_NOMEM/SP_ERR_OS. */
+SP_HIDDEN sp_result space_commit(sp_handle_heap *h, char *need);
+/* Decommit surplus above the top (hysteresis, see sp_handle_compact). */
+SP_HIDDEN void space_trim(sp_handle_heap *h);
+SP_HIDDEN size_t space_largest_hole(const sp_handle_heap *h);
+/* Take `units` at the front of hole b (removed from its list), the rest becomes a hole again
+ * (or slack of the block if under HMIN_UNITS). Returns the units the block got. */
+SP_HIDDEN uint32_t space_carve(sp_handle_heap *h, hblk *b, uint32_t units);
+
+/* ---- slots (handle.c) ---- */
+SP_INLINE sp_handle_slot *slot_at(const sp_handle_heap *h, uint32_t i) {
+    return &h->head.table->slots[i];
+}
+SP_INLINE uint32_t id_index(const sp_handle_heap *h, uint32_t id) {
+    return id & h->index_full;
+}
+
+#endif

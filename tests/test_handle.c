@@ -1,0 +1,354 @@
+/* Handle heap, one thread: every call, table growth, generations, compaction (plain, pinned,
+ * budgeted, aligned), relocation callbacks with interior pointers, trimming, status. Every
+ * scenario ends with sp_handle_heap_check and a byte-for-byte check of every live block. */
+#include <stddef.h>
+#include <string.h>
+
+#include "sp_platform.h"
+
+#include "sp_handle.h"
+#include "test_support.h"
+
+typedef struct obj {
+    sp_handle h;
+    size_t size;
+    uint8_t fill;
+    bool pinned;
+    void *pin_ptr;
+} obj;
+
+static void obj_fill(sp_handle_heap *hp, obj *o) {
+    ts_fill(sp_handle_resolve(hp, o->h), o->size, o->fill);
+}
+
+static bool objs_intact(sp_handle_heap *hp, const obj *o, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        if (!o[i].h.id) continue;
+        const uint8_t *p = sp_handle_resolve(hp, o[i].h);
+        if (!p || !ts_filled(p, o[i].size, o[i].fill)) {
+            diag("object %zu (handle 0x%x, %zu bytes) damaged", i, o[i].h.id, o[i].size);
+            return false;
+        }
+        if (o[i].pinned && p != o[i].pin_ptr) {
+            diag("pinned object %zu moved", i);
+            return false;
+        }
+    }
+    return true;
+}
+
+static void test_basics(void) {
+    sp_result err = SP_ERR_CORRUPT;
+    sp_handle_heap *hp = sp_handle_heap_create(NULL, &err);
+    ok(hp && err == SP_OK, "create with defaults");
+    sp_handle a = sp_handle_alloc(hp, 100, 0);
+    ok(a.id != 0, "alloc gives a non-null handle");
+    char *p = sp_handle_resolve(hp, a);
+    ok(p && ((uintptr_t)p & 15) == 0, "resolve gives a 16-aligned pointer");
+    memset(p, 7, 100);
+    is_int(sp_handle_size(hp, a), 100, "size is the size asked for");
+    sp_handle b = sp_handle_alloc(hp, 0, 0);
+    ok(b.id && b.id != a.id && sp_handle_resolve(hp, b), "size 0 gives a unique live block");
+    sp_handle c = sp_handle_alloc(hp, 5000, 4096);
+    ok(c.id && ((uintptr_t)sp_handle_resolve(hp, c) & 4095) == 0, "align 4096 is honoured");
+    ok(sp_handle_resolve(hp, (sp_handle){0}) == NULL, "the null handle resolves to NULL");
+    ok(sp_handle_free(hp, (sp_handle){0}) == SP_OK, "freeing the null handle is a no-op");
+    sp_handle_heap_status st;
+    sp_handle_heap_status_get(hp, &st);
+    is_int(st.live_handles, 3, "status counts live handles");
+    is_int(st.live_bytes, 5100, "status counts live bytes as asked");
+    ok(sp_handle_free(hp, a) == SP_OK, "free");
+    ok(sp_handle_resolve(hp, a) == NULL, "a freed handle resolves to NULL");
+    is_int(sp_handle_size(hp, a), 0, "a freed handle has size 0");
+    ok(sp_handle_pin(hp, a) == NULL, "a freed handle cannot be pinned");
+    sp_handle a2 = sp_handle_alloc(hp, 100, 0);
+    ok(a2.id && a2.id != a.id, "a new allocation never reuses a freed handle's id");
+    ok(sp_handle_resolve(hp, (sp_handle){a.id ^ 0x80000000u}) == NULL &&
+           sp_handle_resolve(hp, (sp_handle){0xffffffffu}) == NULL &&
+           sp_handle_resolve(hp, (sp_handle){(a2.id & 0xfffff) | 0x00100000u}) == NULL,
+       "forged handles resolve to NULL");
+    void *pp = sp_handle_pin(hp, b);
+    ok(pp == sp_handle_resolve(hp, b), "pin returns the block's pointer");
+    ok(sp_handle_pin(hp, b) == pp, "pins nest");
+    ok(sp_handle_unpin(hp, b) == SP_OK && sp_handle_unpin(hp, b) == SP_OK, "two unpins");
+    ok(sp_handle_free(hp, b) == SP_OK && sp_handle_free(hp, c) == SP_OK &&
+           sp_handle_free(hp, a2) == SP_OK,
+       "free the rest");
+    sp_handle_heap_status_get(hp, &st);
+    ok(st.live_handles == 0 && st.live_bytes == 0 && st.used_bytes == 0 && st.hole_bytes == 0,
+       "empty heap: no live bytes, the top back at the bottom");
+    ok(sp_handle_heap_check(hp) == SP_OK, "heap check passes");
+    sp_handle_heap_destroy(hp);
+}
+
+/* 8 generation bits (max_handles 2^24): one slot is retired after 255 uses, never reused. */
+static void test_generations(void) {
+    sp_handle_heap *hp =
+        sp_handle_heap_create(&(sp_handle_heap_desc){.max_handles = 1u << 24}, NULL);
+    static sp_handle seen[300];
+    bool distinct = true, stale = true;
+    for (int i = 0; i < 300; i++) {
+        seen[i] = sp_handle_alloc(hp, 32, 0);
+        for (int j = 0; j < i; j++) distinct &= seen[j].id != seen[i].id;
+        sp_handle_free(hp, seen[i]);
+        for (int j = 0; j <= i; j++) stale &= sp_handle_resolve(hp, seen[j]) == NULL;
+    }
+    ok(distinct, "300 allocations in turn never repeat an id");
+    ok(stale, "every freed handle stays stale");
+    sp_handle_heap_status st;
+    sp_handle_heap_status_get(hp, &st);
+    is_int(st.retired_slots, 1, "the slot whose 255 generations ran out is retired");
+    ok((seen[299].id & 0xffffff) == 1, "and the next allocation took another slot");
+    sp_handle_heap_destroy(hp);
+}
+
+/* The table grows by doubling (retire NULL: old tables kept); every handle stays valid. */
+static int retired_tables;
+static void count_retire(void *user, void *old, void (*free_fn)(void *)) {
+    (void)user;
+    retired_tables++;
+    free_fn(old);
+}
+
+static void test_growth(void) {
+    enum { N = 20000 };
+    static obj o[N];
+    sp_handle_heap *hp =
+        sp_handle_heap_create(&(sp_handle_heap_desc){.retire = count_retire}, NULL);
+    ts_rng r;
+    ts_rng_seed(&r, 1);
+    bool all = true;
+    for (int i = 0; i < N; i++) {
+        o[i] = (obj){.size = ts_rng_range(&r, 1, 300), .fill = (uint8_t)(i * 7 + 1)};
+        o[i].h = sp_handle_alloc(hp, o[i].size, 0);
+        all &= o[i].h.id != 0;
+        if (all) obj_fill(hp, &o[i]);
+    }
+    ok(all, "%d allocations succeed", N);
+    sp_handle_heap_status st;
+    sp_handle_heap_status_get(hp, &st);
+    ok(st.table_capacity >= N && retired_tables == 9, "table grew to %u (9 doublings from 64)",
+       st.table_capacity);
+    ok(objs_intact(hp, o, N), "every block intact after growth");
+    ok(sp_handle_heap_check(hp) == SP_OK, "heap check passes");
+    sp_handle_heap_destroy(hp);
+}
+
+/* Random frees, then compaction with no budget: no hole left, top == live blocks. */
+static void test_compact(void) {
+    enum { N = 3000 };
+    static obj o[N];
+    sp_handle_heap *hp = sp_handle_heap_create(NULL, NULL);
+    ts_rng r;
+    ts_rng_seed(&r, 2);
+    for (int round = 0; round < 4; round++) {
+        for (int i = 0; i < N; i++) {
+            if (!o[i].h.id) {
+                uint64_t k = ts_rng_range(&r, 4, 14);
+                o[i] = (obj){.size = ts_rng_range(&r, 1, (uint64_t)1 << k),
+                             .fill = (uint8_t)ts_rng_next(&r)};
+                size_t align = ts_rng_range(&r, 0, 20) == 0 ? 64 : 0;
+                o[i].h = sp_handle_alloc(hp, o[i].size, align);
+                obj_fill(hp, &o[i]);
+            }
+        }
+        for (int i = 0; i < N; i++)
+            if (ts_rng_range(&r, 0, 1)) {
+                sp_handle_free(hp, o[i].h);
+                o[i].h.id = 0;
+            }
+        sp_handle_heap_status before, after;
+        sp_handle_heap_status_get(hp, &before);
+        sp_handle_compact_stats cs;
+        ok(sp_handle_compact(hp, 0, &cs) == SP_OK && cs.caught_up, "round %d: compact", round);
+        sp_handle_heap_status_get(hp, &after);
+        ok(before.hole_bytes > 0 && after.hole_bytes < before.hole_bytes / 8 &&
+               after.fragmentation < 0.01,
+           "round %d: holes %zu -> %zu bytes, fragmentation %.4f -> %.4f, moved %llu", round,
+           before.hole_bytes, after.hole_bytes, before.fragmentation, after.fragmentation,
+           (unsigned long long)cs.bytes_moved);
+        ok(objs_intact(hp, o, N), "round %d: every block intact", round);
+        ok(sp_handle_heap_check(hp) == SP_OK, "round %d: heap check", round);
+    }
+    sp_handle_heap_destroy(hp);
+}
+
+/* Every 8th block of the lower three quarters pinned: pinned blocks stay, the rest flows
+ * around them (holes below pinned blocks filled with blocks from above). */
+static void test_pinned(void) {
+    enum { N = 4000 };
+    static obj o[N];
+    sp_handle_heap *hp = sp_handle_heap_create(NULL, NULL);
+    ts_rng r;
+    ts_rng_seed(&r, 3);
+    for (int i = 0; i < N; i++) {
+        o[i] = (obj){.size = ts_rng_range(&r, 16, 2000), .fill = (uint8_t)(i + 3)};
+        o[i].h = sp_handle_alloc(hp, o[i].size, 0);
+        obj_fill(hp, &o[i]);
+        if (i % 8 == 0 && i < N * 3 / 4) {
+            o[i].pinned = true;
+            o[i].pin_ptr = sp_handle_pin(hp, o[i].h);
+        }
+    }
+    size_t freed = 0;
+    for (int i = 0; i < N; i++)
+        if (!o[i].pinned && ts_rng_range(&r, 0, 2) == 0) {
+            sp_handle_free(hp, o[i].h);
+            o[i].h.id = 0;
+            freed++;
+        }
+    sp_handle_heap_status before, after;
+    sp_handle_heap_status_get(hp, &before);
+    sp_handle_compact_stats cs;
+    ok(sp_handle_compact(hp, 0, &cs) == SP_OK, "compact around %d pinned blocks", N * 3 / 32);
+    sp_handle_heap_status_get(hp, &after);
+    ok(objs_intact(hp, o, N), "pinned blocks did not move, every block intact");
+    ok(after.hole_bytes < before.hole_bytes / 3 && after.used_bytes < before.used_bytes,
+       "holes %zu -> %zu bytes (fill around pins), %zu freed", before.hole_bytes, after.hole_bytes,
+       freed);
+    ok(sp_handle_heap_check(hp) == SP_OK, "heap check");
+    for (int i = 0; i < N; i++)
+        if (o[i].pinned) {
+            sp_handle_unpin(hp, o[i].h);
+            o[i].pinned = false;
+        }
+    ok(sp_handle_compact(hp, 0, &cs) == SP_OK && cs.caught_up, "after unpinning: compact");
+    sp_handle_heap_status_get(hp, &after);
+    ok(after.hole_bytes == 0 && after.fragmentation == 0.0,
+       "no hole left once nothing is pinned (%zu)", after.hole_bytes);
+    ok(objs_intact(hp, o, N) && sp_handle_heap_check(hp) == SP_OK, "every block intact");
+    sp_handle_heap_destroy(hp);
+}
+
+/* Objects holding interior pointers (a chain of nodes inside the block), fixed up by the
+ * relocation callback; the callback sees old and new addresses and may resolve. */
+typedef struct node {
+    struct node *next;
+    uint32_t value;
+} node;
+
+typedef struct chain {
+    node *first;
+    node nodes[8];
+} chain;
+
+static int relocations, bad_relocations;
+static sp_handle_heap *reloc_heap;
+
+static void chain_relocate(void *user, sp_handle h, void *new_ptr, void *old_ptr) {
+    (void)user;
+    relocations++;
+    chain *c = new_ptr;
+    /* the bytes moved as they are: the interior pointers still point into the old place */
+    if (sp_handle_resolve(reloc_heap, h) != new_ptr ||
+        (char *)c->first - (char *)old_ptr != (ptrdiff_t)offsetof(chain, nodes))
+        bad_relocations++;
+    ptrdiff_t d = (char *)new_ptr - (char *)old_ptr;
+    c->first = (node *)((char *)c->first + d);
+    for (int i = 0; i < 8; i++)
+        if (c->nodes[i].next) c->nodes[i].next = (node *)((char *)c->nodes[i].next + d);
+}
+
+static bool chain_ok(const chain *c, uint32_t seed) {
+    const node *n = c->first;
+    for (uint32_t i = 0; i < 8; i++, n = n->next)
+        if (n != &c->nodes[i] || n->value != seed + i) return false;
+    return n == NULL;
+}
+
+static void test_relocate(void) {
+    enum { N = 500 };
+    static sp_handle hs[N];
+    sp_handle_heap *hp = sp_handle_heap_create(NULL, NULL);
+    reloc_heap = hp;
+    for (int i = 0; i < N; i++) {
+        hs[i] = sp_handle_alloc_ex(hp, sizeof(chain), 0, chain_relocate, NULL);
+        chain *c = sp_handle_resolve(hp, hs[i]);
+        c->first = &c->nodes[0];
+        for (int k = 0; k < 8; k++)
+            c->nodes[k] = (node){k < 7 ? &c->nodes[k + 1] : NULL, (uint32_t)(i * 8 + k)};
+        sp_handle f = sp_handle_alloc(hp, 64 + (size_t)i % 7 * 48, 0); /* spacer, freed */
+        sp_handle_free(hp, f);
+        if (i % 3 == 0) sp_handle_free(hp, sp_handle_alloc(hp, 10, 0));
+    }
+    for (int i = 0; i < N; i += 2) {
+        sp_handle_free(hp, hs[i]);
+        hs[i].id = 0;
+    }
+    ok(sp_handle_compact(hp, 0, NULL) == SP_OK, "compact objects with interior pointers");
+    ok(relocations > 0 && bad_relocations == 0,
+       "%d relocation callbacks, each after the move with the old address", relocations);
+    bool all = true;
+    for (int i = 1; i < N; i += 2) all &= chain_ok(sp_handle_resolve(hp, hs[i]), (uint32_t)i * 8);
+    ok(all, "every chain's interior pointers were fixed up");
+    ok(sp_handle_heap_check(hp) == SP_OK, "heap check");
+    sp_handle_heap_destroy(hp);
+}
+
+/* Small budgets: compaction resumes where it stopped and gets there over several calls. */
+static void test_budget(void) {
+    enum { N = 6000 };
+    static obj o[N];
+    sp_handle_heap *hp = sp_handle_heap_create(NULL, NULL);
+    ts_rng r;
+    ts_rng_seed(&r, 4);
+    for (int i = 0; i < N; i++) {
+        o[i] = (obj){.size = ts_rng_range(&r, 16, 8000), .fill = (uint8_t)(i + 9)};
+        o[i].h = sp_handle_alloc(hp, o[i].size, 0);
+        obj_fill(hp, &o[i]);
+    }
+    for (int i = 0; i < N; i += 2) {
+        sp_handle_free(hp, o[i].h);
+        o[i].h.id = 0;
+    }
+    int calls = 0;
+    sp_handle_compact_stats cs = {0};
+    uint64_t moved = 0;
+    while (!cs.caught_up && calls < 100000) {
+        sp_handle_compact(hp, 20000, &cs);
+        moved += cs.bytes_moved;
+        calls++;
+    }
+    sp_handle_heap_status st;
+    sp_handle_heap_status_get(hp, &st);
+    ok(cs.caught_up && calls > 1, "caught up after %d calls of 20 us (moved %llu bytes)", calls,
+       (unsigned long long)moved);
+    ok(st.hole_bytes == 0 && st.moved_total == moved, "no hole left; moved_total adds up");
+    ok(objs_intact(hp, o, N) && sp_handle_heap_check(hp) == SP_OK, "every block intact");
+    size_t hi = st.used_bytes / 64 > (256u << 10) ? st.used_bytes / 64 : (256u << 10);
+    ok(st.committed_bytes <= st.used_bytes + hi + (64u << 10),
+       "surplus decommitted: committed %zu for %zu used", st.committed_bytes, st.used_bytes);
+    sp_handle_heap_destroy(hp);
+}
+
+/* The caller's own reservation (PROT_NONE), and running out of it. */
+static void test_region(void) {
+    size_t size = (size_t)1 << 20;
+    void *region = sp_vm_reserve(size, 0, false, NULL);
+    sp_handle_heap *hp =
+        sp_handle_heap_create(&(sp_handle_heap_desc){.region = region, .region_size = size}, NULL);
+    ok(hp != NULL, "create over a caller's reservation");
+    ts_log_capture();
+    sp_handle a = sp_handle_alloc(hp, 600 << 10, 0);
+    sp_handle b = sp_handle_alloc(hp, 600 << 10, 0);
+    ok(a.id && !b.id && ts_logged.last_id == SP_ERR_NOMEM, "a full region gives {0}, logged");
+    ts_log_release();
+    char *p = sp_handle_resolve(hp, a);
+    ok(p >= (char *)region && p < (char *)region + size, "blocks live in the region");
+    memset(p, 1, 600 << 10);
+    sp_handle_free(hp, a);
+    sp_handle_heap_destroy(hp);
+    sp_vm_release(region, size);
+}
+
+int main(void) {
+    test_basics();
+    test_generations();
+    test_growth();
+    test_compact();
+    test_pinned();
+    test_relocate();
+    test_budget();
+    test_region();
+    return done();
+}

@@ -1,0 +1,196 @@
+/* Handle heap misuse: each SP_ERR_* is reported through the logger naming the call, and the
+ * heap is unchanged (release behaviour, ts_log_capture); with the build's default policy
+ * (debug builds: fatal) the same misuse kills the process with a message naming the call and
+ * the handle (ts_dies). */
+#include <stdio.h>
+#include <string.h>
+
+#include "sp_handle.h"
+#include "test_support.h"
+
+static sp_handle_heap *heap;
+
+static bool reported(sp_result id, const char *call) {
+    bool r =
+        ts_logged.count == 1 && ts_logged.last_id == id && strcmp(ts_logged.last_call, call) == 0;
+    if (!r)
+        diag("  logged %d, last %s from %s", ts_logged.count, sp_result_name(ts_logged.last_id),
+             ts_logged.last_call);
+    ts_log_reset();
+    return r;
+}
+
+static bool same(const sp_handle_heap_status *a) {
+    sp_handle_heap_status b;
+    sp_handle_heap_status_get(heap, &b);
+    return a->live_bytes == b.live_bytes && a->live_handles == b.live_handles &&
+           a->used_bytes == b.used_bytes && a->hole_bytes == b.hole_bytes &&
+           sp_handle_heap_check(heap) == SP_OK;
+}
+
+static bool allow;
+static bool may_compact(void *user) {
+    (void)user;
+    return allow;
+}
+
+/* A relocation callback that tries what is not allowed from inside compaction. */
+static sp_result from_cb_compact, from_cb_free;
+static sp_handle from_cb_alloc = {1}, victim;
+static int cb_calls;
+static void bad_callback(void *user, sp_handle h, void *new_ptr, void *old_ptr) {
+    (void)user, (void)h, (void)new_ptr, (void)old_ptr;
+    if (cb_calls++) return;
+    from_cb_compact = sp_handle_compact(heap, 0, NULL);
+    from_cb_free = sp_handle_free(heap, victim);
+    from_cb_alloc = sp_handle_alloc(heap, 10, 0);
+}
+
+static void test_reported(void) {
+    ts_log_capture();
+    sp_handle_heap_status st;
+    sp_handle a = sp_handle_alloc(heap, 100, 0), b = sp_handle_alloc(heap, 200, 0);
+    sp_handle gone = sp_handle_alloc(heap, 50, 0);
+    sp_handle c = sp_handle_alloc_ex(heap, 64, 0, bad_callback, NULL); /* at the top */
+    sp_handle_free(heap, gone);
+    sp_handle_heap_status_get(heap, &st);
+
+    ok(sp_handle_free(heap, gone) == SP_ERR_DOUBLE_FREE &&
+           reported(SP_ERR_DOUBLE_FREE, "sp_handle_free") && same(&st),
+       "double free: SP_ERR_DOUBLE_FREE, nothing changes");
+    ok(sp_handle_free(heap, (sp_handle){gone.id + (1u << 20)}) == SP_ERR_STALE_HANDLE &&
+           reported(SP_ERR_STALE_HANDLE, "sp_handle_free") && same(&st),
+       "free of a forged handle: SP_ERR_STALE_HANDLE");
+    sp_handle reused = sp_handle_alloc(heap, 50, 0); /* takes gone's slot (FIFO) */
+    sp_handle_heap_status_get(heap, &st);
+    ok((reused.id & 0xfffff) == (gone.id & 0xfffff) &&
+           sp_handle_free(heap, gone) == SP_ERR_DOUBLE_FREE &&
+           reported(SP_ERR_DOUBLE_FREE, "sp_handle_free") && same(&st) &&
+           sp_handle_resolve(heap, reused),
+       "double free after the slot was reused: refused, the new block lives on");
+    ok(sp_handle_resolve(heap, gone) == NULL && sp_handle_pin(heap, gone) == NULL &&
+           sp_handle_size(heap, gone) == 0 && ts_logged.count == 0,
+       "resolve/pin/size of a stale handle: NULL/NULL/0, not logged");
+
+    void *p = sp_handle_pin(heap, a);
+    ok(sp_handle_free(heap, a) == SP_ERR_PINNED && reported(SP_ERR_PINNED, "sp_handle_free") &&
+           same(&st) && sp_handle_resolve(heap, a) == p,
+       "free of a pinned block: SP_ERR_PINNED, block stays live");
+    ok(sp_handle_unpin(heap, a) == SP_OK && sp_handle_unpin(heap, a) == SP_ERR_NOT_PINNED &&
+           reported(SP_ERR_NOT_PINNED, "sp_handle_unpin"),
+       "unpin without pin: SP_ERR_NOT_PINNED");
+    ok(sp_handle_unpin(heap, gone) == SP_ERR_STALE_HANDLE &&
+           reported(SP_ERR_STALE_HANDLE, "sp_handle_unpin"),
+       "unpin of a stale handle: SP_ERR_STALE_HANDLE");
+    ok(sp_handle_alloc(heap, 10, 24).id == 0 && reported(SP_ERR_BAD_ALIGNMENT, "sp_handle_alloc") &&
+           same(&st),
+       "alignment not a power of two: {0}, SP_ERR_BAD_ALIGNMENT");
+
+    /* compaction refused while may_compact says no: nothing moves */
+    sp_handle_free(heap, a);
+    sp_handle_heap_status_get(heap, &st);
+    allow = false;
+    ok(sp_handle_compact(heap, 0, NULL) == SP_ERR_BUSY &&
+           reported(SP_ERR_BUSY, "sp_handle_compact") && same(&st) && st.hole_bytes > 0,
+       "compact while may_compact says no: SP_ERR_BUSY, the hole stays");
+    allow = true;
+
+    /* from inside a relocation callback */
+    victim = b;
+    sp_handle_free(heap, reused); /* a hole below c: c moves */
+    ok(sp_handle_compact(heap, 0, NULL) == SP_OK && cb_calls >= 1, "compact calls the callback");
+    ok(from_cb_compact == SP_ERR_BUSY && from_cb_free == SP_ERR_BUSY && from_cb_alloc.id == 0 &&
+           ts_logged.count == 3 && ts_logged.last_id == SP_ERR_BUSY,
+       "compact, free and alloc from a relocation callback: SP_ERR_BUSY each");
+    ts_log_reset();
+    ok(sp_handle_resolve(heap, b) != NULL && sp_handle_heap_check(heap) == SP_OK,
+       "the block the callback tried to free is live");
+
+    sp_result err = SP_OK;
+    ok(sp_handle_heap_create(&(sp_handle_heap_desc){.max_handles = (1u << 24) + 1}, &err) == NULL &&
+           err == SP_ERR_INVALID_ARG && reported(SP_ERR_INVALID_ARG, "sp_handle_heap_create"),
+       "create with too many handles: NULL, SP_ERR_INVALID_ARG");
+    sp_handle_free(heap, b);
+    sp_handle_free(heap, c);
+    ts_log_release();
+}
+
+/* Running out of handles is a resource failure: {0}, logged at warn, not fatal. */
+static void test_limit(void) {
+    ts_log_capture();
+    sp_handle_heap *hp = sp_handle_heap_create(&(sp_handle_heap_desc){.max_handles = 64}, NULL);
+    int got = 0;
+    for (int i = 0; i < 64; i++) got += sp_handle_alloc(hp, 8, 0).id != 0;
+    ok(got == 64 && sp_handle_alloc(hp, 8, 0).id == 0 && reported(SP_ERR_LIMIT, "sp_handle_alloc"),
+       "the 65th handle of 64: {0}, SP_ERR_LIMIT");
+    sp_handle_heap_destroy(hp);
+    ts_log_release();
+}
+
+typedef struct death {
+    int what;
+    sp_handle x;
+} death;
+
+static void run_death(void *arg) {
+    death *d = arg;
+    switch (d->what) {
+    case 0: sp_handle_free(heap, d->x); break;
+    case 1: sp_handle_unpin(heap, d->x); break;
+    case 2: sp_handle_free(heap, d->x); break;
+    case 3:
+        allow = false;
+        sp_handle_compact(heap, 0, NULL);
+        break;
+    }
+}
+
+static void test_fatal(void) {
+    sp_handle live = sp_handle_alloc(heap, 100, 0);
+    sp_handle gone = sp_handle_alloc(heap, 100, 0);
+    sp_handle_free(heap, gone);
+    sp_handle pinned = sp_handle_alloc(heap, 100, 0);
+    sp_handle_pin(heap, pinned);
+    struct {
+        death d;
+        const char *call, *what;
+    } cases[] = {
+        {{0, gone}, "sp_handle_free", "double free"},
+        {{1, live}, "sp_handle_unpin", "unpin without pin"},
+        {{2, pinned}, "sp_handle_free", "free of a pinned block"},
+        {{3, live}, "sp_handle_compact", "compaction refused"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char addr[32] = "";
+        if (i < 3)
+            snprintf(addr, sizeof addr, "%s",
+                     sp_result_name(i == 0   ? SP_ERR_DOUBLE_FREE
+                                    : i == 1 ? SP_ERR_NOT_PINNED
+                                             : SP_ERR_PINNED));
+        else
+            snprintf(addr, sizeof addr, "%s", "SP_ERR_BUSY");
+        bool died = ts_dies(run_death, &cases[i].d, cases[i].call, addr);
+#if SP_DEBUG >= 1
+        ok(died, "debug build: %s dies naming %s and %s", cases[i].what, cases[i].call, addr);
+#else
+        ok(!died, "release build: %s reports and returns (%s)", cases[i].what, cases[i].call);
+#endif
+    }
+    sp_handle_unpin(heap, pinned);
+    sp_handle_free(heap, pinned);
+    sp_handle_free(heap, live);
+}
+
+int main(void) {
+    plan(19);
+    heap = sp_handle_heap_create(&(sp_handle_heap_desc){.may_compact = may_compact}, NULL);
+    allow = true;
+    test_reported();
+    test_limit();
+    test_fatal();
+    sp_handle_heap_status st;
+    sp_handle_heap_status_get(heap, &st);
+    ok(st.live_handles == 0 && sp_handle_heap_check(heap) == SP_OK, "nothing left, heap sound");
+    sp_handle_heap_destroy(heap);
+    return done();
+}
