@@ -1,0 +1,153 @@
+/* The frame loop: sp_frame_begin / sp_frame_end on the main thread, the frame's jobs, the
+ * between-frames works, and the per-frame statistics record. */
+#include "runtime_internal.h"
+
+#include <string.h>
+
+sp_counter *sp_frame_counter(void) {
+    return sp_rt.up ? sp_rt.frame_counter : NULL;
+}
+
+sp_result sp_submit(const sp_job_desc *jobs, uint32_t count, sp_counter *counter) {
+    if (!rt_is_up("sp_submit")) return SP_ERR_SHUTDOWN;
+    return sp_jobs_submit(sp_rt.jobs, jobs, count, counter ? counter : sp_rt.frame_counter);
+}
+
+static uint64_t jobs_run(void) {
+    sp_jobs_status js;
+    sp_jobs_status_get(sp_rt.jobs, &js);
+    return js.jobs_run;
+}
+
+bool rt_may_compact(void *user) {
+    (void)user;
+    if (!sp_rt.up || sp_rt.in_frame || sp_thread_os_id() != sp_rt.main_thread) return false;
+    /* No job in flight: jobs_submitted is read first, so a job submitted meanwhile (by a
+     * thread that is not the main one: against the rules between frames) shows as in flight
+     * only if it was counted; jobs from the main thread cannot be submitted while it is here. */
+    sp_jobs_status js;
+    sp_jobs_status_get(sp_rt.jobs, &js);
+    return js.jobs_run >= js.jobs_submitted;
+}
+
+sp_result sp_frame_begin(void) {
+    if (!rt_main_only("sp_frame_begin")) return sp_rt.up ? SP_ERR_INVALID_ARG : SP_ERR_SHUTDOWN;
+    if (sp_rt.in_frame) {
+        sp_log(SP_LOG_ERROR, SP_ERR_INVALID_ARG, "sp_frame_begin", NULL,
+               "frame %llu is already open", (unsigned long long)sp_rt.frame);
+        return SP_ERR_INVALID_ARG;
+    }
+    sp_rt.in_frame = true;
+    sp_rt.frame_t0 = sp_time_ns();
+    sp_rt.jobs_run_t0 = jobs_run();
+    sp_rt.retired_t0 = atomic_load_explicit(&sp_rt.retire_count, memory_order_relaxed);
+    return SP_OK;
+}
+
+/* Between-frames work within the budget: trim, the registered works, then compaction. */
+static void between_frames(sp_frame_stats *st) {
+    uint64_t t0 = sp_time_ns(), budget = sp_rt.desc.between_budget_ns;
+    st->trimmed_bytes = sp_tcache_trim();
+    atomic_fetch_add_explicit(&sp_rt.trim_epoch, 1, memory_order_relaxed);
+    for (uint32_t i = 0; i < sp_rt.between_count; i++) {
+        uint64_t spent = sp_time_ns() - t0;
+        if (spent >= budget) {
+            st->between_skipped++;
+            continue;
+        }
+        sp_rt.between[i].fn(sp_rt.between[i].user, budget - spent);
+    }
+    uint64_t spent = sp_time_ns() - t0;
+    if (spent < budget) {
+        sp_handle_compact_stats cs;
+        if (sp_handle_compact(sp_rt.handles, budget - spent, &cs) == SP_OK)
+            st->handle_moved = cs.bytes_moved;
+    } else {
+        st->between_skipped++;
+    }
+    st->between_ns = sp_time_ns() - t0;
+}
+
+sp_result sp_frame_end(void) {
+    if (!rt_main_only("sp_frame_end")) return sp_rt.up ? SP_ERR_INVALID_ARG : SP_ERR_SHUTDOWN;
+    if (!sp_rt.in_frame) {
+        sp_log(SP_LOG_ERROR, SP_ERR_INVALID_ARG, "sp_frame_end", NULL,
+               "no frame is open: call sp_frame_begin first");
+        return SP_ERR_INVALID_ARG;
+    }
+    sp_frame_stats st = {.frame = sp_rt.frame};
+    uint64_t t_wait = sp_time_ns();
+    sp_result r = sp_counter_wait(sp_rt.frame_counter, 0);
+    if (r != SP_OK) return r; /* logged by the scheduler; the frame stays open */
+    st.wait_ns = sp_time_ns() - t_wait;
+    st.jobs_run = jobs_run() - sp_rt.jobs_run_t0;
+    sp_rt.in_frame = false;
+
+    sp_frame_buffer_status closed;
+    sp_frame_arena_advance(sp_runtime_g.arena, &closed);
+    st.arena_bytes = closed.bytes_used;
+    st.arena_peak = closed.peak;
+    st.arena_chunks = closed.chunks;
+    st.arena_overflows = closed.overflows;
+    st.arena_overflow_bytes = closed.overflow_bytes;
+
+    between_frames(&st);
+
+    rt_quiescent();
+    rt_reclaim_kick();
+
+    sp_tcache_status ts;
+    sp_tcache_status_get(&ts);
+    st.heap_bytes = ts.bytes_used;
+    st.heap_high_water = ts.high_water;
+    sp_handle_heap_status hs;
+    sp_handle_heap_status_get(sp_rt.handles, &hs);
+    st.handle_bytes = hs.live_bytes;
+    st.handle_fragmentation = hs.fragmentation;
+    st.persistent_bytes = atomic_load_explicit(&sp_rt.persist_used, memory_order_relaxed);
+    st.retired = atomic_load_explicit(&sp_rt.retire_count, memory_order_relaxed) - sp_rt.retired_t0;
+    st.frame_ns = sp_time_ns() - sp_rt.frame_t0;
+    sp_rt.last = st;
+    sp_rt.have_last = true;
+    sp_rt.frame++;
+    return SP_OK;
+}
+
+sp_result sp_frame_stats_last(sp_frame_stats *out) {
+    if (!rt_is_up("sp_frame_stats_last")) return SP_ERR_SHUTDOWN;
+    if (!sp_rt.have_last) return SP_ERR_LIMIT;
+    *out = sp_rt.last;
+    return SP_OK;
+}
+
+sp_result sp_between_frames_add(const char *name, sp_between_fn fn, void *user) {
+    if (!rt_main_only("sp_between_frames_add"))
+        return sp_rt.up ? SP_ERR_INVALID_ARG : SP_ERR_SHUTDOWN;
+    if (!fn) return sp_misuse(SP_ERR_INVALID_ARG, "sp_between_frames_add", NULL, "fn is NULL");
+    for (uint32_t i = 0; i < sp_rt.between_count; i++)
+        if (sp_rt.between[i].fn == fn && sp_rt.between[i].user == user)
+            return sp_misuse(SP_ERR_INVALID_ARG, "sp_between_frames_add", user,
+                             "'%s' is registered already", name ? name : "(unnamed)");
+    if (sp_rt.between_count == BETWEEN_MAX) {
+        sp_log(SP_LOG_ERROR, SP_ERR_LIMIT, "sp_between_frames_add", user,
+               "%d between-frames works registered already", BETWEEN_MAX);
+        return SP_ERR_LIMIT;
+    }
+    sp_rt.between[sp_rt.between_count++] = (between_work){name, fn, user};
+    return SP_OK;
+}
+
+sp_result sp_between_frames_remove(sp_between_fn fn, void *user) {
+    if (!rt_main_only("sp_between_frames_remove"))
+        return sp_rt.up ? SP_ERR_INVALID_ARG : SP_ERR_SHUTDOWN;
+    for (uint32_t i = 0; i < sp_rt.between_count; i++) {
+        if (sp_rt.between[i].fn == fn && sp_rt.between[i].user == user) {
+            memmove(&sp_rt.between[i], &sp_rt.between[i + 1],
+                    (sp_rt.between_count - i - 1) * sizeof sp_rt.between[0]);
+            sp_rt.between_count--;
+            return SP_OK;
+        }
+    }
+    return sp_misuse(SP_ERR_INVALID_ARG, "sp_between_frames_remove", user,
+                     "no such between-frames work");
+}

@@ -1,0 +1,575 @@
+/* The runtime's life: sp_init starts the subsystems in a fixed order over one reservation,
+ * sp_shutdown stops them in reverse; regions, the persistent region, thread attach/detach,
+ * and the QSBR plumbing (worker hooks, sp_retire, the reclaimer thread). */
+#include "runtime_internal.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <urcu/urcu-qsbr.h>
+
+#if !defined(__has_feature)
+#define __has_feature(x) 0
+#endif
+#if defined(__SANITIZE_THREAD__) || __has_feature(thread_sanitizer)
+#include <sanitizer/tsan_interface.h>
+/* liburcu 0.13 is not instrumented: tell TSan that a grace period orders every access a
+ * thread made before its quiescent state before the reclaimer's frees. */
+#define QSBR_RELEASE() __tsan_release(&sp_rt.reclaim_seq)
+#define QSBR_ACQUIRE() __tsan_acquire(&sp_rt.reclaim_seq)
+#else
+#define QSBR_RELEASE() ((void)0)
+#define QSBR_ACQUIRE() ((void)0)
+#endif
+
+runtime sp_rt;
+sp_runtime_globals sp_runtime_g;
+
+/* Registered with QSBR (workers, the main thread, attached threads). Read only by hooks and
+ * calls that run on the thread itself and never across a fiber switch. */
+static _Thread_local bool tls_qsbr;
+static _Thread_local bool tls_attached;
+static _Thread_local uint64_t tls_trim_epoch; /* the last frame end this thread trimmed after */
+
+#define MiB ((size_t)1 << 20)
+#define GiB ((size_t)1 << 30)
+#define REGION_ALIGN (2 * MiB) /* regions start on huge-page boundaries */
+
+static const char *const region_names[SP_REGION_COUNT] = {"none", "heap", "frame", "handle",
+                                                          "persistent"};
+
+bool rt_is_up(const char *call) {
+    if (SP_LIKELY(sp_rt.up)) return true;
+    sp_log(SP_LOG_ERROR, SP_ERR_SHUTDOWN, call, NULL, "the runtime is not initialised");
+    return false;
+}
+
+bool rt_main_only(const char *call) {
+    if (!rt_is_up(call)) return false;
+    if (SP_LIKELY(sp_thread_os_id() == sp_rt.main_thread)) return true;
+    sp_log(SP_LOG_ERROR, SP_ERR_INVALID_ARG, call, NULL,
+           "must be called on the main thread (the one that called sp_init)");
+    return false;
+}
+
+/* ---- QSBR ------------------------------------------------------------------------------ */
+
+void rt_quiescent(void) {
+    if (!tls_qsbr) return;
+    QSBR_RELEASE();
+    urcu_qsbr_quiescent_state();
+}
+
+static void qsbr_offline(void) {
+    if (!tls_qsbr) return;
+    QSBR_RELEASE();
+    urcu_qsbr_thread_offline();
+}
+
+static void qsbr_online(void) {
+    if (tls_qsbr) urcu_qsbr_thread_online();
+}
+
+static void qsbr_register(void) {
+    urcu_qsbr_register_thread();
+    tls_qsbr = true;
+}
+
+static void qsbr_unregister(void) {
+    if (!tls_qsbr) return;
+    QSBR_RELEASE();
+    urcu_qsbr_unregister_thread();
+    tls_qsbr = false;
+}
+
+/* Free everything retired before the grace period that just ended. */
+static void reclaim_batch(void) {
+    retired *list = atomic_exchange(&sp_rt.retire_list, NULL);
+    if (!list) return;
+    urcu_qsbr_synchronize_rcu();
+    QSBR_ACQUIRE();
+    for (retired *r = list, *next; r; r = next) {
+        next = r->next;
+        r->free_fn(r->p);
+        free(r);
+    }
+}
+
+static void *reclaimer_main(void *arg) {
+    (void)arg;
+    for (;;) {
+        uint32_t seq = atomic_load(&sp_rt.reclaim_seq);
+        bool stop = atomic_load(&sp_rt.reclaim_stop);
+        reclaim_batch();
+        if (stop) return NULL; /* the last batch ran after stop was seen */
+        if (!atomic_load(&sp_rt.retire_list)) sp_futex_wait((uint32_t *)&sp_rt.reclaim_seq, seq, 0);
+    }
+}
+
+void rt_reclaim_kick(void) {
+    if (!atomic_load(&sp_rt.retire_list)) return;
+    atomic_fetch_add(&sp_rt.reclaim_seq, 1);
+    sp_futex_wake((uint32_t *)&sp_rt.reclaim_seq, 1);
+}
+
+sp_result sp_retire(void *p, void (*free_fn)(void *)) {
+    if (!rt_is_up("sp_retire")) return SP_ERR_SHUTDOWN;
+    if (!free_fn) return sp_misuse(SP_ERR_INVALID_ARG, "sp_retire", p, "free_fn is NULL");
+    retired *r = malloc(sizeof *r);
+    if (!r) return SP_ERR_NOMEM;
+    r->p = p;
+    r->free_fn = free_fn;
+    r->next = atomic_load(&sp_rt.retire_list);
+    while (!atomic_compare_exchange_weak(&sp_rt.retire_list, &r->next, r)) {
+    }
+    atomic_fetch_add_explicit(&sp_rt.retire_count, 1, memory_order_relaxed);
+    return SP_OK;
+}
+
+/* The handle heap's retire hook. */
+static void handle_retire(void *user, void *old, void (*free_fn)(void *)) {
+    (void)user;
+    if (sp_retire(old, free_fn) != SP_OK) {
+        /* No memory for the record: wait for the grace period here (rare, slow, correct). */
+        bool online = tls_qsbr;
+        if (online) qsbr_offline();
+        urcu_qsbr_synchronize_rcu();
+        QSBR_ACQUIRE();
+        if (online) qsbr_online();
+        free_fn(old);
+    }
+}
+
+/* ---- scheduler hooks: the desc's own, plus the runtime's QSBR duties --------------------- */
+
+#define USER_HOOK(name, ...)                                                                       \
+    do {                                                                                           \
+        if (sp_rt.user_hooks.name) sp_rt.user_hooks.name(sp_rt.user_hooks.user, __VA_ARGS__);      \
+    } while (0)
+
+static void hook_thread_start(void *user, uint32_t worker) {
+    (void)user;
+    qsbr_register();
+    USER_HOOK(thread_start, worker);
+}
+static void hook_thread_stop(void *user, uint32_t worker) {
+    (void)user;
+    USER_HOOK(thread_stop, worker);
+    sp_tcache_thread_detach();
+    qsbr_unregister();
+}
+static void hook_job_begin(void *user, uint32_t worker, const char *name) {
+    (void)user;
+    USER_HOOK(job_begin, worker, name);
+}
+static void hook_job_end(void *user, uint32_t worker, const char *name) {
+    (void)user;
+    USER_HOOK(job_end, worker, name);
+    rt_quiescent();
+}
+static void hook_job_park(void *user, uint32_t worker, const char *name) {
+    (void)user;
+    USER_HOOK(job_park, worker, name);
+    rt_quiescent();
+}
+static void hook_job_resume(void *user, uint32_t worker, const char *name) {
+    (void)user;
+    USER_HOOK(job_resume, worker, name);
+}
+static void hook_worker_sleep(void *user, uint32_t worker) {
+    (void)user;
+    USER_HOOK(worker_sleep, worker);
+    /* Going idle after a frame ended: a good moment to collect this cache's inbox and give
+     * surplus spans back (once per frame at most; the main thread does it in sp_frame_end). */
+    uint64_t epoch = atomic_load_explicit(&sp_rt.trim_epoch, memory_order_relaxed);
+    if (tls_trim_epoch != epoch) {
+        tls_trim_epoch = epoch;
+        sp_tcache_trim();
+    }
+    qsbr_offline();
+}
+static void hook_worker_wake(void *user, uint32_t worker) {
+    (void)user;
+    qsbr_online();
+    USER_HOOK(worker_wake, worker);
+}
+static void hook_fiber_switch(void *user, uint32_t worker) {
+    (void)user;
+    USER_HOOK(fiber_switch, worker);
+}
+
+/* ---- the desc -------------------------------------------------------------------------- */
+
+static size_t clamp_size(uint64_t v, size_t lo, size_t hi) {
+    return v < lo ? lo : v > hi ? hi : (size_t)v;
+}
+
+static sp_result desc_fill(const sp_desc *in, sp_desc *d) {
+    static const sp_desc zero;
+    *d = in ? *in : zero;
+    if (d->canary_begin || d->canary_end)
+        return sp_misuse(SP_ERR_INVALID_ARG, "sp_init", in,
+                         "sp_desc canaries are not zero: zero-initialise the desc "
+                         "(sp_desc d = {0}; or a designated initialiser)");
+    if (d->frame_buffers > 4)
+        return sp_misuse(SP_ERR_INVALID_ARG, "sp_init", in, "frame_buffers %u is above 4",
+                         d->frame_buffers);
+    uint64_t mem = sp_memory_size();
+    if (!mem) mem = 4 * (uint64_t)GiB;
+    if (!d->heap_size) d->heap_size = clamp_size(mem / 2, 256 * MiB, 64 * GiB);
+    if (!d->frame_size) d->frame_size = clamp_size(mem / 64, 16 * MiB, 256 * MiB);
+    if (!d->frame_buffers) d->frame_buffers = 2;
+    if (!d->handle_size) d->handle_size = clamp_size(mem / 8, 64 * MiB, 4 * GiB);
+    if (!d->persistent_size) d->persistent_size = 64 * MiB;
+    if (!d->between_budget_ns) d->between_budget_ns = 1000000;
+    d->heap_size = sp_align_up(d->heap_size, REGION_ALIGN);
+    d->frame_size = sp_align_up(d->frame_size, REGION_ALIGN);
+    d->handle_size = sp_align_up(d->handle_size, REGION_ALIGN);
+    d->persistent_size = sp_align_up(d->persistent_size, REGION_ALIGN);
+    return SP_OK;
+}
+
+/* ---- subsystems, in start order -------------------------------------------------------- */
+
+static sp_result platform_start(void) {
+    const sp_desc *d = &sp_rt.desc;
+    size_t sizes[SP_REGION_COUNT] = {0, d->heap_size, d->frame_size * d->frame_buffers,
+                                     d->handle_size, d->persistent_size};
+    size_t total = 0;
+    for (int r = 1; r < SP_REGION_COUNT; r++) {
+        if (sizes[r] > SIZE_MAX / 2 - total) return SP_ERR_OVERFLOW;
+        total += sizes[r];
+    }
+    sp_rt.base = sp_vm_reserve(total, REGION_ALIGN, d->huge_pages, &sp_rt.pages);
+    if (!sp_rt.base) return SP_ERR_OS;
+    sp_rt.size = total;
+    char *at = sp_rt.base;
+    for (int r = 1; r < SP_REGION_COUNT; r++) {
+        sp_rt.region[r] = (sp_region_info){region_names[r], at, sizes[r]};
+        at += sizes[r];
+    }
+    sp_rt.region[0] = (sp_region_info){region_names[0], NULL, 0};
+    return SP_OK;
+}
+static void platform_stop(void) {
+    sp_vm_release(sp_rt.base, sp_rt.size);
+    sp_rt.base = NULL;
+    sp_rt.size = 0;
+    memset(sp_rt.region, 0, sizeof sp_rt.region);
+    atomic_store(&sp_rt.persist_used, 0);
+    atomic_store(&sp_rt.persist_committed, 0);
+}
+
+static sp_result heap_start(void) {
+    sp_tcache_desc td = {.region = sp_rt.region[SP_REGION_HEAP].base,
+                         .region_size = sp_rt.region[SP_REGION_HEAP].size};
+    return sp_tcache_init(&td);
+}
+static void heap_stop(void) {
+    size_t live = sp_tcache_shutdown();
+    if (live)
+        sp_log(SP_LOG_WARN, SP_ERR_INVALID_ARG, "sp_shutdown", NULL,
+               "%zu blocks still live in the thread caches or the central heap (leaked)", live);
+}
+
+static sp_result caches_start(void) {
+    return sp_tcache_thread_attach();
+}
+static void caches_stop(void) {
+    sp_tcache_thread_detach();
+}
+
+static void *arena_heap_alloc(void *user, size_t align, size_t size) {
+    (void)user;
+    return sp_tcache_aligned_alloc(align, size);
+}
+static void arena_heap_free(void *user, void *p) {
+    (void)user;
+    sp_tcache_free(p);
+}
+
+static sp_result frames_start(void) {
+    const sp_desc *d = &sp_rt.desc;
+    sp_frame_desc fd = {.region = sp_rt.region[SP_REGION_FRAME].base,
+                        .region_size = sp_rt.region[SP_REGION_FRAME].size,
+                        .buffers = d->frame_buffers,
+                        .chunk_size = d->frame_chunk,
+                        .overflow = d->frame_overflow,
+                        .heap_alloc = arena_heap_alloc,
+                        .heap_free = arena_heap_free};
+    sp_result err = SP_OK;
+    sp_runtime_g.arena = sp_frame_arena_create(&fd, &err);
+    return sp_runtime_g.arena ? SP_OK : err;
+}
+static void frames_stop(void) {
+    sp_frame_arena_destroy(sp_runtime_g.arena);
+    sp_runtime_g.arena = NULL;
+}
+
+static sp_result handles_start(void) {
+    sp_handle_heap_desc hd = {.region = sp_rt.region[SP_REGION_HANDLE].base,
+                              .region_size = sp_rt.region[SP_REGION_HANDLE].size,
+                              .max_handles = sp_rt.desc.max_handles,
+                              .retire = handle_retire,
+                              .may_compact = rt_may_compact};
+    sp_result err = SP_OK;
+    sp_rt.handles = sp_handle_heap_create(&hd, &err);
+    return sp_rt.handles ? SP_OK : err;
+}
+static void handles_stop(void) {
+    sp_handle_heap_status st;
+    sp_handle_heap_status_get(sp_rt.handles, &st);
+    if (st.live_handles)
+        sp_log(SP_LOG_WARN, SP_ERR_INVALID_ARG, "sp_shutdown", sp_rt.handles,
+               "%zu handles still live in the handle heap (leaked)", (size_t)st.live_handles);
+    sp_handle_heap_destroy(sp_rt.handles);
+    sp_rt.handles = NULL;
+}
+
+static void jobs_stop(void);
+
+static sp_result jobs_start(void) {
+    qsbr_register();
+    if (sp_thread_start(&sp_rt.reclaimer, reclaimer_main, NULL, "spindle-reclaim") != SP_OK) {
+        qsbr_unregister();
+        return SP_ERR_OS;
+    }
+    sp_rt.reclaimer_started = true;
+    sp_jobs_desc jd = sp_rt.desc.jobs;
+    sp_rt.user_hooks = jd.hooks;
+    jd.hooks =
+        (sp_jobs_hooks){.job_begin = hook_job_begin,
+                        .job_end = hook_job_end,
+                        .job_park = hook_job_park,
+                        .job_resume = hook_job_resume,
+                        .worker_sleep = hook_worker_sleep,
+                        .worker_wake = hook_worker_wake,
+                        .fiber_switch = sp_rt.user_hooks.fiber_switch ? hook_fiber_switch : NULL,
+                        .thread_start = hook_thread_start,
+                        .thread_stop = hook_thread_stop};
+    if (!sp_rt.user_hooks.job_begin) jd.hooks.job_begin = NULL;
+    if (!sp_rt.user_hooks.job_resume) jd.hooks.job_resume = NULL;
+    sp_result r = sp_jobs_create(&sp_rt.jobs, &jd);
+    if (r == SP_OK) {
+        sp_rt.frame_counter = sp_counter_create(sp_rt.jobs, "frame");
+        if (sp_rt.frame_counter) return SP_OK;
+        sp_jobs_shutdown(sp_rt.jobs);
+        sp_jobs_destroy(sp_rt.jobs);
+        r = SP_ERR_NOMEM;
+    }
+    sp_rt.jobs = NULL;
+    jobs_stop(); /* the reclaimer and the registration */
+    return r;
+}
+static void jobs_stop(void) {
+    if (sp_rt.jobs) {
+        sp_counter_destroy(sp_rt.frame_counter);
+        sp_rt.frame_counter = NULL;
+        sp_jobs_shutdown(sp_rt.jobs);
+        sp_jobs_destroy(sp_rt.jobs);
+        sp_rt.jobs = NULL;
+    }
+    /* Every worker has unregistered; the main thread goes too, so the last grace period
+     * waits for nobody. */
+    qsbr_unregister();
+    if (sp_rt.reclaimer_started) {
+        atomic_store(&sp_rt.reclaim_stop, true);
+        atomic_fetch_add(&sp_rt.reclaim_seq, 1);
+        sp_futex_wake((uint32_t *)&sp_rt.reclaim_seq, 1);
+        sp_thread_join(sp_rt.reclaimer);
+        sp_rt.reclaimer_started = false;
+        atomic_store(&sp_rt.reclaim_stop, false);
+    }
+}
+
+static const struct subsystem {
+    const char *name;
+    sp_result (*start)(void);
+    void (*stop)(void);
+} subsystems[] = {
+    {"platform", platform_start, platform_stop},  {"central heap", heap_start, heap_stop},
+    {"thread caches", caches_start, caches_stop}, {"frame arenas", frames_start, frames_stop},
+    {"handle heap", handles_start, handles_stop}, {"jobs", jobs_start, jobs_stop},
+};
+#define SUBSYSTEMS ((int)SP_ARRAY_LEN(subsystems))
+
+static void stop_from(int n) {
+    while (n-- > 0) subsystems[n].stop();
+}
+
+sp_result sp_init(const sp_desc *desc) {
+    if (sp_rt.up) {
+        sp_log(SP_LOG_ERROR, SP_ERR_INVALID_ARG, "sp_init", NULL, "already initialised");
+        return SP_ERR_INVALID_ARG;
+    }
+    sp_rt.failure = NULL;
+    sp_result r = desc_fill(desc, &sp_rt.desc);
+    if (r != SP_OK) return r;
+    sp_rt.main_thread = sp_thread_os_id();
+    for (int i = 0; i < SUBSYSTEMS; i++) {
+        r = subsystems[i].start();
+        if (r != SP_OK) {
+            sp_rt.failure = subsystems[i].name;
+            sp_log(SP_LOG_ERROR, r, "sp_init", NULL,
+                   "%s failed to start (%s); stopping the %d "
+                   "started before it",
+                   subsystems[i].name, sp_result_name(r), i);
+            stop_from(i); /* a subsystem that failed part-way has cleaned up after itself */
+            sp_rt.main_thread = 0;
+            return r;
+        }
+    }
+    sp_rt.frame = 0;
+    sp_rt.in_frame = false;
+    sp_rt.have_last = false;
+    sp_rt.between_count = 0;
+    atomic_store(&sp_rt.retire_count, 0);
+    sp_rt.up = true;
+    return SP_OK;
+}
+
+const char *sp_init_failure(void) {
+    return sp_rt.failure;
+}
+
+sp_result sp_shutdown(void) {
+    if (!sp_rt.up) {
+        sp_log(SP_LOG_ERROR, SP_ERR_SHUTDOWN, "sp_shutdown", NULL,
+               "not initialised (or shut down already)");
+        return SP_ERR_SHUTDOWN;
+    }
+    if (!rt_main_only("sp_shutdown")) return SP_ERR_INVALID_ARG;
+    if (sp_rt.in_frame) {
+        sp_log(SP_LOG_ERROR, SP_ERR_INVALID_ARG, "sp_shutdown", NULL,
+               "frame %llu is open: call sp_frame_end first", (unsigned long long)sp_rt.frame);
+        return SP_ERR_INVALID_ARG;
+    }
+    uint32_t attached = atomic_load(&sp_rt.attached);
+    if (attached) {
+        sp_log(SP_LOG_ERROR, SP_ERR_INVALID_ARG, "sp_shutdown", NULL,
+               "%u threads are still attached: sp_thread_detach them first", attached);
+        return SP_ERR_INVALID_ARG;
+    }
+    /* The scheduler first, for its result (SP_ERR_STALLED: jobs abandoned); jobs_stop then
+     * finds it gone and stops the rest of its part. */
+    sp_counter_destroy(sp_rt.frame_counter);
+    sp_rt.frame_counter = NULL;
+    sp_result r = sp_jobs_shutdown(sp_rt.jobs);
+    sp_jobs_destroy(sp_rt.jobs);
+    sp_rt.jobs = NULL;
+    sp_rt.up = false;
+    stop_from(SUBSYSTEMS);
+    sp_rt.main_thread = 0;
+    return r == SP_ERR_STALLED ? r : SP_OK;
+}
+
+/* ---- threads ----------------------------------------------------------------------------- */
+
+sp_result sp_thread_attach(void) {
+    if (!rt_is_up("sp_thread_attach")) return SP_ERR_SHUTDOWN;
+    if (tls_attached || sp_jobs_worker_id() != SP_JOBS_NOT_A_WORKER ||
+        sp_thread_os_id() == sp_rt.main_thread) {
+        sp_log(SP_LOG_ERROR, SP_ERR_INVALID_ARG, "sp_thread_attach", NULL,
+               tls_attached ? "the thread is already attached"
+                            : "workers and the main thread are attached by the runtime");
+        return SP_ERR_INVALID_ARG;
+    }
+    sp_result r = sp_tcache_thread_attach();
+    if (r != SP_OK) return r;
+    qsbr_register();
+    tls_attached = true;
+    atomic_fetch_add(&sp_rt.attached, 1);
+    return SP_OK;
+}
+
+sp_result sp_thread_detach(void) {
+    if (!tls_attached) {
+        sp_log(SP_LOG_ERROR, SP_ERR_INVALID_ARG, "sp_thread_detach", NULL,
+               "the thread is not attached");
+        return SP_ERR_INVALID_ARG;
+    }
+    qsbr_unregister();
+    sp_tcache_thread_detach();
+    tls_attached = false;
+    atomic_fetch_sub(&sp_rt.attached, 1);
+    return SP_OK;
+}
+
+void sp_thread_quiescent(void) {
+    if (tls_attached) rt_quiescent();
+}
+
+/* ---- memory ------------------------------------------------------------------------------ */
+
+sp_region sp_region_of(const void *p) {
+    uintptr_t off = (uintptr_t)p - (uintptr_t)sp_rt.base;
+    if (off >= sp_rt.size) return SP_REGION_NONE;
+    uintptr_t end = sp_rt.region[SP_REGION_HEAP].size;
+    if (off < end) return SP_REGION_HEAP;
+    if (off < (end += sp_rt.region[SP_REGION_FRAME].size)) return SP_REGION_FRAME;
+    if (off < (end += sp_rt.region[SP_REGION_HANDLE].size)) return SP_REGION_HANDLE;
+    return SP_REGION_PERSISTENT;
+}
+
+void *sp_persistent_alloc(size_t size, size_t align) {
+    if (!rt_is_up("sp_persistent_alloc")) return NULL;
+    if (!align) align = 16;
+    if (!sp_is_pow2(align) || align > 4096) {
+        sp_misuse(SP_ERR_BAD_ALIGNMENT, "sp_persistent_alloc", NULL,
+                  "alignment %zu is not a power of two up to 4096", align);
+        return NULL;
+    }
+    const sp_region_info *reg = &sp_rt.region[SP_REGION_PERSISTENT];
+    size_t used = atomic_load_explicit(&sp_rt.persist_used, memory_order_relaxed), start, end;
+    do {
+        start = sp_align_up(used, align);
+        if (size > reg->size || start > reg->size - size) {
+            sp_log(SP_LOG_WARN, SP_ERR_NOMEM, "sp_persistent_alloc", NULL,
+                   "%zu bytes do not fit: the persistent region (%zu bytes) holds %zu", size,
+                   reg->size, used);
+            return NULL;
+        }
+        end = start + size;
+    } while (!atomic_compare_exchange_weak_explicit(&sp_rt.persist_used, &used, end,
+                                                    memory_order_relaxed, memory_order_relaxed));
+    if (end > atomic_load_explicit(&sp_rt.persist_committed, memory_order_acquire)) {
+        sp_mutex_lock(&sp_rt.persist_lock);
+        size_t committed = atomic_load_explicit(&sp_rt.persist_committed, memory_order_relaxed);
+        if (end > committed) {
+            size_t to = sp_align_up(end, REGION_ALIGN);
+            if (sp_vm_commit((char *)reg->base + committed, to - committed) != SP_OK) {
+                sp_mutex_unlock(&sp_rt.persist_lock);
+                return NULL; /* logged by the platform layer; the bytes stay taken */
+            }
+            atomic_store_explicit(&sp_rt.persist_committed, to, memory_order_release);
+        }
+        sp_mutex_unlock(&sp_rt.persist_lock);
+    }
+    return (char *)reg->base + start;
+}
+
+void *sp_arena_not_up(void) {
+    rt_is_up("sp_arena_alloc");
+    return NULL;
+}
+
+sp_jobs *sp_scheduler(void) {
+    return sp_rt.up ? sp_rt.jobs : NULL;
+}
+sp_frame_arena *sp_frames(void) {
+    return sp_runtime_g.arena;
+}
+sp_handle_heap *sp_handles(void) {
+    return sp_rt.up ? sp_rt.handles : NULL;
+}
+
+void sp_status_get(sp_status *out) {
+    memset(out, 0, sizeof *out);
+    out->initialised = sp_rt.up;
+    if (!sp_rt.up) return;
+    out->pages = sp_rt.pages;
+    out->reserved = sp_rt.size;
+    out->frame = sp_rt.frame;
+    out->in_frame = sp_rt.in_frame;
+    out->attached_threads = atomic_load(&sp_rt.attached);
+    memcpy(out->regions, sp_rt.region, sizeof out->regions);
+}

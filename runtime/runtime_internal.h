@@ -1,0 +1,88 @@
+/* The runtime's state, shared by runtime.c (lifecycle, regions, threads, QSBR) and frame.c
+ * (the frame loop). One runtime per process: a zero-initialised static, no constructors. */
+#ifndef SP_RUNTIME_INTERNAL_H
+#define SP_RUNTIME_INTERNAL_H
+
+#include <stdatomic.h>
+
+#include "sp_internal.h"
+#include "sp_platform.h"
+#include "sp_runtime.h"
+#include "sp_tcache.h"
+
+#define BETWEEN_MAX 16
+
+typedef struct between_work {
+    const char *name;
+    sp_between_fn fn;
+    void *user;
+} between_work;
+
+/* A pointer waiting for a grace period (sp_retire). */
+typedef struct retired {
+    struct retired *next;
+    void *p;
+    void (*free_fn)(void *);
+} retired;
+
+typedef struct runtime {
+    bool up;
+    uint64_t main_thread; /* sp_thread_os_id of the thread that called sp_init */
+    const char *failure;  /* subsystem whose start failed in the last sp_init */
+    sp_desc desc;         /* with the defaults filled in */
+
+    /* The reservation and its regions ([SP_REGION_NONE] unused). */
+    char *base;
+    size_t size;
+    sp_page_kind pages;
+    sp_region_info region[SP_REGION_COUNT];
+
+    /* Persistent region: bump pointer, committed in steps under a lock. */
+    _Atomic size_t persist_used;
+    _Atomic size_t persist_committed;
+    sp_mutex persist_lock;
+
+    sp_jobs *jobs;
+    sp_counter *frame_counter;
+    sp_handle_heap *handles;
+    sp_jobs_hooks user_hooks; /* the desc's hooks, called from ours */
+
+    /* QSBR reclaimer: a thread that waits for grace periods and frees what was retired. */
+    _Atomic(retired *) retire_list;
+    _Atomic uint64_t retire_count;
+    _Atomic uint32_t reclaim_seq; /* futex word: bumped to wake the reclaimer */
+    _Atomic bool reclaim_stop;
+    bool reclaimer_started;
+    sp_thread reclaimer;
+
+    _Atomic uint32_t attached;
+    _Atomic uint64_t trim_epoch; /* bumped by sp_frame_end: workers trim when they go idle */
+
+    /* Frame loop (main thread only). */
+    bool in_frame;
+    uint64_t frame;
+    uint64_t frame_t0;
+    uint64_t jobs_run_t0;
+    uint64_t retired_t0;
+    bool have_last;
+    sp_frame_stats last;
+    between_work between[BETWEEN_MAX];
+    uint32_t between_count;
+} runtime;
+
+SP_HIDDEN extern runtime sp_rt;
+
+/* true on the main thread of a running runtime; otherwise logs `call` and returns false. */
+SP_HIDDEN bool rt_main_only(const char *call);
+/* true if the runtime is up; otherwise logs `call` (SP_ERR_SHUTDOWN) and returns false. */
+SP_HIDDEN bool rt_is_up(const char *call);
+
+/* Report a quiescent state for the calling registered thread. */
+SP_HIDDEN void rt_quiescent(void);
+/* Wake the reclaimer if anything was retired. */
+SP_HIDDEN void rt_reclaim_kick(void);
+
+/* Handle heap's compaction gate: the main thread, outside frames, no job in flight. */
+SP_HIDDEN bool rt_may_compact(void *user);
+
+#endif

@@ -1,0 +1,241 @@
+/* spindle runtime: one init, one up-front reservation, and the frame loop.
+ *
+ * A game calls sp_init once on its main thread, runs frames (sp_frame_begin ... submit jobs ...
+ * sp_frame_end), and calls sp_shutdown. In between, jobs allocate from the right place:
+ *   this frame's arena     sp_arena_alloc          gone when the buffer comes round (N frames)
+ *   the thread caches      sp_tcache_alloc/free    (sp_tcache.h) general purpose, any thread
+ *   the handle heap        sp_handle_* on sp_handles()  movable objects, compacted between frames
+ *   the persistent region  sp_persistent_alloc     lives until sp_shutdown
+ *
+ * Init reserves one virtual range and carves it into named regions (central heap, frame
+ * buffers, handle heap, persistent region); sp_region_of attributes any address to its region
+ * in O(1). Subsystems start in this order and stop in the reverse one:
+ *   1 platform (the reservation)  2 central heap  3 thread caches  4 frame arenas
+ *   5 handle heap  6 jobs (the scheduler; workers register with liburcu QSBR)
+ * A failure part-way stops what started, releases the reservation, logs the subsystem's name
+ * (also returned by sp_init_failure) and returns its error.
+ *
+ * Quiescent states (liburcu QSBR, for structures retired with sp_retire, e.g. the handle
+ * table after it grew): worker threads report one after every job and whenever a job parks,
+ * go offline while they sleep, and the main thread reports one in every sp_frame_end. A
+ * non-worker thread that calls into the handle heap must sp_thread_attach first, report
+ * quiescent states with sp_thread_quiescent now and then (say once per loop iteration) and
+ * sp_thread_detach before it exits. Retired memory is freed by liburcu's call_rcu thread
+ * once every registered thread has passed a quiescent state; nothing waits for it in a frame.
+ *
+ * Concurrency:
+ *   sp_init, sp_shutdown, sp_frame_begin, sp_frame_end,      the main thread (the one that
+ *   sp_frame_stats_last, sp_between_frames_add/_remove        called sp_init), outside jobs
+ *   sp_arena_alloc, sp_arena_aligned_alloc, sp_submit,       any job or attached thread,
+ *   sp_persistent_alloc, sp_retire, sp_region_of,            any time between init and
+ *   sp_scheduler, sp_handles, sp_frames, sp_frame_counter    shutdown
+ *   sp_thread_attach, sp_thread_detach,                      a thread that is not a worker;
+ *   sp_thread_quiescent                                      attach/detach in pairs
+ * Frame arena memory may be allocated only while a frame's jobs run or on the main thread,
+ * never while sp_frame_end flips the buffers (the frame's jobs are done by then; jobs on
+ * counters of your own must be finished before sp_frame_end too).
+ *
+ * Errors: calls before sp_init or after sp_shutdown, sp_init twice and sp_shutdown twice are
+ * logged (SP_ERR_SHUTDOWN / SP_ERR_INVALID_ARG) and return an error or NULL; they never abort.
+ */
+#ifndef SP_RUNTIME_H
+#define SP_RUNTIME_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "sp_frame.h"
+#include "sp_handle.h"
+#include "sp_jobs.h"
+#include "sp_log.h"
+#include "sp_platform.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Zero means the default for every field; the defaults are scaled to the machine. */
+typedef struct sp_desc {
+    uint32_t canary_begin;  /* must be 0: a desc that was not zero-initialised is refused */
+    bool huge_pages;        /* ask for huge pages for the reservation (granted: sp_status) */
+    size_t heap_size;       /* central heap region: thread caches and large blocks
+                               (0: half the physical memory, 256 MiB .. 64 GiB) */
+    size_t frame_size;      /* bytes per frame buffer (0: physical memory / 64, 16 .. 256 MiB) */
+    uint32_t frame_buffers; /* 0: 2; at most 4. Frame i uses buffer i mod N; its data lives
+                               through frame i + N - 1 */
+    size_t frame_chunk;     /* per-worker chunk of a buffer (0: the arena's default) */
+    sp_frame_overflow frame_overflow; /* a full buffer: NULL (default) or the central heap */
+    size_t handle_size;         /* handle heap region (0: physical memory / 8, 64 MiB .. 4 GiB) */
+    uint32_t max_handles;       /* 0: the handle heap's default */
+    size_t persistent_size;     /* persistent region (0: 64 MiB) */
+    uint64_t between_budget_ns; /* time sp_frame_end may spend on between-frames work
+                                   (trim, registered work, compaction); 0: 1 ms */
+    sp_jobs_desc jobs;          /* the scheduler (workers, fibers, hooks...; zeroes: defaults) */
+    uint32_t canary_end;        /* must be 0 */
+} sp_desc;
+
+/* Regions of the reservation. */
+typedef enum sp_region {
+    SP_REGION_NONE = 0, /* not inside the reservation (or no runtime) */
+    SP_REGION_HEAP = 1, /* the central heap: thread-cache spans and large blocks */
+    SP_REGION_FRAME = 2,
+    SP_REGION_HANDLE = 3,
+    SP_REGION_PERSISTENT = 4,
+    SP_REGION_COUNT = 5,
+} sp_region;
+
+typedef struct sp_region_info {
+    const char *name; /* "heap", "frame", "handle", "persistent" */
+    void *base;
+    size_t size;
+} sp_region_info;
+
+/* One closed frame. */
+typedef struct sp_frame_stats {
+    uint64_t frame;      /* its number (the first frame is 0) */
+    uint64_t frame_ns;   /* sp_frame_begin to the end of sp_frame_end */
+    uint64_t wait_ns;    /* sp_frame_end's wait for the frame's jobs */
+    uint64_t between_ns; /* between-frames work (trim, registered work, compaction) */
+    uint64_t jobs_run;   /* jobs that finished during the frame (all of them) */
+    size_t arena_bytes;  /* taken from the frame's buffer (sp_frame_buffer_status) */
+    size_t arena_peak;   /* that buffer's peak over all its frames */
+    size_t arena_chunks;
+    size_t arena_overflows;      /* requests the buffer could not serve (never silent) */
+    size_t arena_overflow_bytes; /* of them, bytes the central heap served instead */
+    size_t heap_bytes;           /* thread caches and large blocks: bytes in live blocks */
+    size_t heap_high_water;
+    size_t trimmed_bytes; /* spans the thread caches gave back this frame */
+    size_t handle_bytes;  /* handle heap: live bytes */
+    size_t handle_moved;  /* bytes compaction moved this frame */
+    double handle_fragmentation;
+    size_t persistent_bytes;
+    uint64_t retired;         /* sp_retire calls during the frame */
+    uint32_t between_skipped; /* registered works not run: the budget was spent */
+} sp_frame_stats;
+
+/* Figures of the runtime as a whole. */
+typedef struct sp_status {
+    bool initialised;
+    sp_page_kind pages;        /* what backs the reservation */
+    size_t reserved;           /* bytes of the reservation */
+    uint64_t frame;            /* the current (or next) frame's number */
+    bool in_frame;             /* between sp_frame_begin and sp_frame_end */
+    uint32_t attached_threads; /* non-worker threads attached now */
+    sp_region_info regions[SP_REGION_COUNT];
+} sp_status;
+
+/* ---- lifecycle ------------------------------------------------------------------------- */
+
+/* Start the runtime; the calling thread becomes its main thread (and the scheduler's worker
+ * 0). desc may be NULL (all defaults). Cost: a reservation, thread starts, the scheduler's
+ * fiber pool. Returns SP_OK; SP_ERR_INVALID_ARG (logged: a canary not zero, frame_buffers
+ * above 4, already initialised); or the failing subsystem's error, everything started so far
+ * stopped again (sp_init_failure names the subsystem). */
+sp_result sp_init(const sp_desc *desc);
+
+/* The subsystem whose start failed in the last sp_init ("platform", "central heap", "thread
+ * caches", "frame arenas", "handle heap", "jobs"), or NULL if it succeeded. Main thread. */
+const char *sp_init_failure(void);
+
+/* Run every pending job, stop the subsystems in reverse order, release the reservation.
+ * Returns SP_OK; SP_ERR_SHUTDOWN (logged) if not initialised; SP_ERR_INVALID_ARG (logged,
+ * nothing stopped) inside a frame, from a job or with threads still attached; or the
+ * scheduler's SP_ERR_STALLED when jobs had to be abandoned (the rest is still stopped).
+ * Leaks are reported through the logger (blocks still live in the heap or handle heap). */
+sp_result sp_shutdown(void);
+
+/* Attach a thread that is not a worker: a thread cache now, a QSBR registration (it may use
+ * the handle heap). Returns SP_OK; SP_ERR_SHUTDOWN before init; SP_ERR_INVALID_ARG on a
+ * worker or an already attached thread. */
+sp_result sp_thread_attach(void);
+
+/* Detach: the cache is handed back, the QSBR registration ends. Before the thread exits and
+ * before sp_shutdown. Returns SP_OK or SP_ERR_INVALID_ARG (not attached). */
+sp_result sp_thread_detach(void);
+
+/* An attached thread reports that it holds no pointer into RCU-protected structures (cost:
+ * under 1 ns). Workers need not call it. No-op on a thread that is not attached. */
+void sp_thread_quiescent(void);
+
+void sp_status_get(sp_status *out);
+
+/* ---- memory ---------------------------------------------------------------------------- */
+
+/* The region p lies in, O(1) (four compares); SP_REGION_NONE outside the reservation. */
+sp_region sp_region_of(const void *p);
+
+/* size bytes, aligned to align (a power of two up to 4096; 0: 16), living until sp_shutdown.
+ * Lock-free (one CAS), commits pages as it grows. NULL (logged) when the region is full, on
+ * a bad alignment or before init. */
+void *sp_persistent_alloc(size_t size, size_t align);
+
+/* Call free_fn(p) once no registered thread can still hold p (after a QSBR grace period).
+ * Any registered thread (a job, the main thread, an attached thread). Cost: one small
+ * allocation and a wait-free enqueue. Returns SP_OK, SP_ERR_NOMEM or SP_ERR_SHUTDOWN. */
+sp_result sp_retire(void *p, void (*free_fn)(void *));
+
+/* The subsystems, for their own APIs (stable between sp_init and sp_shutdown; NULL outside). */
+sp_jobs *sp_scheduler(void);
+sp_frame_arena *sp_frames(void);
+sp_handle_heap *sp_handles(void);
+
+/* Runtime globals the inline calls below read (not API). */
+typedef struct sp_runtime_globals {
+    sp_frame_arena *arena;
+} sp_runtime_globals;
+extern sp_runtime_globals sp_runtime_g;
+
+/* From this frame's arena buffer: valid until the buffer comes round again (frame + N). Any
+ * job or thread during a frame. NULL when the buffer is full in SP_FRAME_OVERFLOW_NULL mode
+ * (counted in the frame's statistics), on misuse (see sp_frame_alloc), and before init
+ * (logged, SP_ERR_SHUTDOWN). Cost: sp_frame_alloc's plus one predictable branch. */
+void *sp_arena_not_up(void);
+static inline void *sp_arena_alloc(size_t size) {
+    sp_frame_arena *a = sp_runtime_g.arena;
+    return __builtin_expect(a != NULL, 1) ? sp_frame_alloc(a, size) : sp_arena_not_up();
+}
+static inline void *sp_arena_aligned_alloc(size_t align, size_t size) {
+    sp_frame_arena *a = sp_runtime_g.arena;
+    return __builtin_expect(a != NULL, 1) ? sp_frame_aligned_alloc(a, align, size)
+                                          : sp_arena_not_up();
+}
+
+/* ---- jobs and frames ------------------------------------------------------------------- */
+
+/* The counter of the current frame's jobs: sp_frame_end waits until it is back to 0. */
+sp_counter *sp_frame_counter(void);
+
+/* sp_jobs_submit on the runtime's scheduler; a NULL counter means the frame counter, so
+ * sp_frame_end waits for these jobs. Returns what sp_jobs_submit returns, SP_ERR_SHUTDOWN
+ * before init. */
+sp_result sp_submit(const sp_job_desc *jobs, uint32_t count, sp_counter *counter);
+
+/* Open a frame (main thread). Returns SP_OK, SP_ERR_SHUTDOWN before init, SP_ERR_INVALID_ARG
+ * (logged) if a frame is already open. */
+sp_result sp_frame_begin(void);
+
+/* Close the frame (main thread, outside jobs): wait for the frame counter (the main thread
+ * runs jobs meanwhile), move the arena to the next buffer and reclaim the one that comes
+ * round, let the thread caches give back surplus spans, run the between-frames works in
+ * registration order and then handle-heap compaction within desc.between_budget_ns, report
+ * a quiescent state, and close the frame's statistics record. Returns SP_OK,
+ * SP_ERR_SHUTDOWN before init, SP_ERR_INVALID_ARG (logged) without an open frame. */
+sp_result sp_frame_end(void);
+
+/* The record of the last closed frame. SP_ERR_LIMIT if no frame was closed yet. */
+sp_result sp_frame_stats_last(sp_frame_stats *out);
+
+/* Between-frames work: fn(user, budget_ns) runs in sp_frame_end on the main thread with the
+ * time left of the budget (never called when none is left: counted in between_skipped). It
+ * should return within that time. At most 16 works. Returns SP_OK, SP_ERR_LIMIT (full),
+ * SP_ERR_INVALID_ARG (NULL fn, or the same fn and user twice), SP_ERR_SHUTDOWN. */
+typedef void (*sp_between_fn)(void *user, uint64_t budget_ns);
+sp_result sp_between_frames_add(const char *name, sp_between_fn fn, void *user);
+sp_result sp_between_frames_remove(sp_between_fn fn, void *user);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,402 @@
+/* The runtime (sp_runtime.h): lifecycle errors, regions, the persistent region, the frame
+ * loop (frame counter, lifetime of arena data over N buffers, overflow in both modes,
+ * statistics), between-frames works, handle-heap compaction between frames, sp_retire and
+ * thread attach/detach. */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "spindle.h"
+#include "test_support.h"
+
+#define MiB ((size_t)1 << 20)
+
+static sp_desc small_desc(uint32_t workers) {
+    sp_desc d = {0};
+    d.heap_size = 64 * MiB;
+    d.frame_size = 2 * MiB;
+    d.handle_size = 16 * MiB;
+    d.persistent_size = 2 * MiB;
+    d.jobs.workers = workers;
+    d.jobs.no_workers = workers == 0;
+    return d;
+}
+
+static void test_before_init(void) {
+    ts_log_capture();
+    is_int(sp_frame_begin(), SP_ERR_SHUTDOWN, "frame_begin before init: SP_ERR_SHUTDOWN");
+    ok(ts_logged.last_id == SP_ERR_SHUTDOWN && !strcmp(ts_logged.last_call, "sp_frame_begin"),
+       "... logged, naming the call");
+    is_int(sp_frame_end(), SP_ERR_SHUTDOWN, "frame_end before init");
+    is_int(sp_shutdown(), SP_ERR_SHUTDOWN, "shutdown before init");
+    ok(sp_persistent_alloc(16, 0) == NULL, "persistent_alloc before init: NULL");
+    ok(sp_arena_alloc(16) == NULL, "arena_alloc before init: NULL");
+    sp_job_desc j = {.fn = (sp_job_fn)abort};
+    is_int(sp_submit(&j, 1, NULL), SP_ERR_SHUTDOWN, "submit before init");
+    is_int(sp_thread_attach(), SP_ERR_SHUTDOWN, "thread_attach before init");
+    ok(sp_scheduler() == NULL && sp_handles() == NULL && sp_frames() == NULL,
+       "subsystem getters before init: NULL");
+    ok(sp_region_of(&j) == SP_REGION_NONE, "region_of before init: NONE");
+    sp_status st;
+    sp_status_get(&st);
+    ok(!st.initialised, "status: not initialised");
+
+    sp_desc d = small_desc(1);
+    d.canary_begin = 0xdeadbeef;
+    is_int(sp_init(&d), SP_ERR_INVALID_ARG, "a non-zero canary_begin is refused");
+    ok(strstr(ts_logged.last_message, "canar") != NULL, "... the message says why");
+    d = small_desc(1);
+    d.canary_end = 1;
+    is_int(sp_init(&d), SP_ERR_INVALID_ARG, "a non-zero canary_end is refused");
+    d = small_desc(1);
+    d.frame_buffers = 5;
+    is_int(sp_init(&d), SP_ERR_INVALID_ARG, "frame_buffers 5 is refused");
+    sp_status_get(&st);
+    ok(!st.initialised && sp_init_failure() == NULL, "... nothing started");
+    ts_log_release();
+}
+
+static void test_regions(void) {
+    sp_desc d = small_desc(2);
+    is_int(sp_init(&d), SP_OK, "init with 2 workers");
+    ts_log_capture();
+    is_int(sp_init(&d), SP_ERR_INVALID_ARG, "init twice: SP_ERR_INVALID_ARG");
+    ts_log_release();
+
+    sp_status st;
+    sp_status_get(&st);
+    ok(st.initialised && st.reserved >= 64 * MiB + 2 * 2 * MiB + 16 * MiB + 2 * MiB,
+       "status: initialised, %zu bytes reserved", st.reserved);
+    const char *names[] = {"none", "heap", "frame", "handle", "persistent"};
+    bool named = true, ordered = true;
+    for (int r = 1; r < SP_REGION_COUNT; r++) {
+        named = named && !strcmp(st.regions[r].name, names[r]);
+        if (r > 1)
+            ordered = ordered && (char *)st.regions[r].base ==
+                                     (char *)st.regions[r - 1].base + st.regions[r - 1].size;
+    }
+    ok(named && ordered, "regions named and carved back to back from one range");
+    for (int r = 1; r < SP_REGION_COUNT; r++) {
+        char *b = st.regions[r].base;
+        ok(sp_region_of(b) == (sp_region)r &&
+               sp_region_of(b + st.regions[r].size - 1) == (sp_region)r,
+           "region_of: first and last byte of '%s'", names[r]);
+    }
+    ok(sp_region_of((char *)st.regions[1].base - 1) == SP_REGION_NONE &&
+           sp_region_of((char *)st.regions[4].base + st.regions[4].size) == SP_REGION_NONE,
+       "region_of: the bytes just outside the reservation are NONE");
+
+    void *small = sp_tcache_alloc(100), *large = sp_tcache_alloc(1 * MiB);
+    ok(sp_region_of(small) == SP_REGION_HEAP && sp_region_of(large) == SP_REGION_HEAP,
+       "thread-cache blocks, small and large, are in the heap region");
+    sp_tcache_free(small);
+    sp_tcache_free(large);
+    sp_frame_begin();
+    void *f = sp_arena_alloc(64);
+    ok(f && sp_region_of(f) == SP_REGION_FRAME, "an arena block is in the frame region");
+    sp_frame_end();
+    sp_handle h = sp_handle_alloc(sp_handles(), 100, 16);
+    ok(h.id && sp_region_of(sp_handle_resolve(sp_handles(), h)) == SP_REGION_HANDLE,
+       "a handle's block is in the handle region");
+    sp_handle_free(sp_handles(), h);
+    void *m = malloc(16);
+    ok(sp_region_of(m) == SP_REGION_NONE && sp_region_of(&st) == SP_REGION_NONE,
+       "malloc and stack memory are NONE");
+    free(m);
+
+    /* Persistent region: alignment, contents, full, misuse. */
+    bool aligned = true;
+    for (size_t a = 1; a <= 4096; a *= 2) {
+        uint8_t *p = sp_persistent_alloc(40, a);
+        aligned = aligned && p && ((uintptr_t)p & (a - 1)) == 0 &&
+                  sp_region_of(p) == SP_REGION_PERSISTENT;
+        if (p) memset(p, 0x5a, 40);
+    }
+    ok(aligned, "persistent_alloc: alignments 1..4096 honoured, in the persistent region");
+    uint8_t *big = sp_persistent_alloc(MiB, 64);
+    ok(big != NULL, "persistent_alloc of 1 MiB");
+    if (big) memset(big, 1, MiB); /* committed: touching it all must not fault */
+    ts_log_capture();
+    ok(sp_persistent_alloc(2 * MiB, 16) == NULL && ts_logged.last_id == SP_ERR_NOMEM,
+       "persistent_alloc past the region: NULL, SP_ERR_NOMEM logged");
+    ok(sp_persistent_alloc(16, 24) == NULL && ts_logged.last_id == SP_ERR_BAD_ALIGNMENT,
+       "persistent_alloc with alignment 24: NULL, SP_ERR_BAD_ALIGNMENT");
+    ts_log_release();
+    ok(sp_persistent_alloc(16, 16) != NULL, "... and the region still serves what fits");
+
+    is_int(sp_shutdown(), SP_OK, "shutdown");
+    ts_log_capture();
+    is_int(sp_shutdown(), SP_ERR_SHUTDOWN, "shutdown twice: SP_ERR_SHUTDOWN");
+    ts_log_release();
+    ok(sp_region_of(big) == SP_REGION_NONE, "after shutdown nothing is attributed");
+}
+
+/* ---- the frame loop -------------------------------------------------------------------- */
+
+static atomic_int jobs_done;
+
+static void slow_job(void *arg) {
+    (void)arg;
+    static _Atomic uint64_t sink;
+    uint64_t x = 0;
+    for (int i = 0; i < 20000; i++) x = x * 31 + (uint64_t)i;
+    atomic_fetch_add_explicit(&sink, x, memory_order_relaxed);
+    uint8_t *p = sp_arena_alloc(48);
+    if (p) memset(p, 7, 48);
+    atomic_fetch_add(&jobs_done, 1);
+}
+
+static void test_frame_jobs(uint32_t workers) {
+    sp_desc d = small_desc(workers);
+    if (sp_init(&d) != SP_OK) {
+        ok(0, "init (%u workers)", workers);
+        return;
+    }
+    enum { N = 64 };
+    sp_job_desc jobs[N];
+    for (int i = 0; i < N; i++) jobs[i] = (sp_job_desc){.fn = slow_job, .name = "slow"};
+    bool all = true;
+    for (int f = 0; f < 5; f++) {
+        atomic_store(&jobs_done, 0);
+        sp_frame_begin();
+        if (sp_submit(jobs, N, NULL) != SP_OK) all = false;
+        sp_frame_end();
+        all = all && atomic_load(&jobs_done) == N;
+    }
+    ok(all, "%u workers: sp_frame_end waits for every job submitted on the frame counter", workers);
+    sp_frame_stats st;
+    is_int(sp_frame_stats_last(&st), SP_OK, "stats of the last frame");
+    ok(st.frame == 4 && st.jobs_run >= N && st.arena_bytes >= N * 48 && st.frame_ns >= st.wait_ns,
+       "... frame 4, %llu jobs run, %zu arena bytes, frame %llu ns >= wait %llu ns",
+       (unsigned long long)st.jobs_run, st.arena_bytes, (unsigned long long)st.frame_ns,
+       (unsigned long long)st.wait_ns);
+    ts_log_capture();
+    is_int(sp_frame_end(), SP_ERR_INVALID_ARG, "frame_end without begin: SP_ERR_INVALID_ARG");
+    sp_frame_begin();
+    is_int(sp_frame_begin(), SP_ERR_INVALID_ARG, "frame_begin twice: SP_ERR_INVALID_ARG");
+    is_int(sp_shutdown(), SP_ERR_INVALID_ARG, "shutdown inside a frame is refused");
+    ts_log_release();
+    sp_frame_end();
+    is_int(sp_shutdown(), SP_OK, "shutdown");
+}
+
+/* Data of frame i lives through frame i + N - 1; at frame i + N the buffer is reused. */
+static void test_lifetime(uint32_t buffers) {
+    sp_desc d = small_desc(1);
+    d.frame_buffers = buffers;
+    if (sp_init(&d) != SP_OK) {
+        ok(0, "init (%u buffers)", buffers);
+        return;
+    }
+    enum { FRAMES = 12, BYTES = 4096 };
+    uint8_t *blocks[FRAMES];
+    bool intact = true, parity = true, reused = true;
+    for (int f = 0; f < FRAMES; f++) {
+        sp_frame_begin();
+        blocks[f] = sp_arena_alloc(BYTES);
+        memset(blocks[f], f + 1, BYTES);
+        parity = parity && sp_frame_arena_buffer_of(sp_frames(), blocks[f]) == f % (int)buffers;
+        if (f >= (int)buffers) reused = reused && blocks[f] == blocks[f - buffers];
+        /* Every block of the frames still alive holds its pattern. */
+        for (int g = f - (int)buffers + 1; g <= f; g++)
+            if (g >= 0) intact = intact && ts_filled(blocks[g], BYTES, (uint8_t)(g + 1));
+        sp_frame_end();
+    }
+    ok(parity, "%u buffers: frame i allocates from buffer i mod %u", buffers, buffers);
+    ok(intact, "%u buffers: data of frame i intact through frame i+%u", buffers, buffers - 1);
+    ok(reused, "%u buffers: frame i+%u reuses frame i's memory", buffers, buffers);
+    is_int(sp_shutdown(), SP_OK, "shutdown");
+}
+
+static void test_overflow(sp_frame_overflow mode) {
+    sp_desc d = small_desc(1);
+    d.frame_overflow = mode;
+    sp_init(&d);
+    sp_tcache_status before;
+    sp_tcache_status_get(&before);
+    sp_frame_begin();
+    size_t got = 0, nulls = 0;
+    for (int i = 0; i < 80; i++) { /* 80 x 64 KiB into a 2 MiB buffer */
+        void *p = sp_arena_alloc(64 * 1024);
+        if (p) {
+            memset(p, 3, 64 * 1024);
+            got++;
+        } else {
+            nulls++;
+        }
+    }
+    sp_frame_end();
+    sp_frame_stats st;
+    sp_frame_stats_last(&st);
+    const char *name = mode == SP_FRAME_OVERFLOW_NULL ? "NULL mode" : "heap mode";
+    if (mode == SP_FRAME_OVERFLOW_NULL) {
+        ok(got >= 25 && got < 80 && nulls == 80 - got,
+           "%s: the buffer serves what fits (%zu), then NULL (%zu)", name, got, nulls);
+        ok(st.arena_overflows == nulls && st.arena_overflow_bytes == 0,
+           "%s: every refusal counted (%zu overflows)", name, st.arena_overflows);
+    } else {
+        ok(got == 80 && nulls == 0, "%s: every request served", name);
+        ok(st.arena_overflows > 0 && st.arena_overflow_bytes == st.arena_overflows * 64 * 1024,
+           "%s: overflows counted (%zu, %zu bytes from the central heap)", name, st.arena_overflows,
+           st.arena_overflow_bytes);
+        sp_frame_begin(); /* frame 1; frame 2 reclaims frame 0's buffer */
+        sp_frame_end();
+        sp_tcache_status after;
+        sp_tcache_status_get(&after);
+        ok(after.large_blocks == before.large_blocks && after.bytes_used == before.bytes_used,
+           "%s: the heap blocks are freed when the buffer comes round", name);
+    }
+    is_int(sp_shutdown(), SP_OK, "shutdown (%s)", name);
+}
+
+/* ---- between frames, compaction, retire -------------------------------------------------- */
+
+static int order[8], order_n;
+static uint64_t budget_seen;
+
+static void work_a(void *user, uint64_t budget) {
+    (void)user;
+    order[order_n++] = 1;
+    budget_seen = budget;
+}
+static void work_b(void *user, uint64_t budget) {
+    (void)budget;
+    order[order_n++] = *(int *)user;
+}
+
+static atomic_int freed;
+static void count_free(void *p) {
+    free(p);
+    atomic_fetch_add(&freed, 1);
+}
+
+static void test_between(void) {
+    sp_desc d = small_desc(2);
+    d.between_budget_ns = 5000000;
+    sp_init(&d);
+    static int two = 2;
+    is_int(sp_between_frames_add("a", work_a, NULL), SP_OK, "register work a");
+    is_int(sp_between_frames_add("b", work_b, &two), SP_OK, "register work b");
+    ts_log_capture();
+    is_int(sp_between_frames_add("a", work_a, NULL), SP_ERR_INVALID_ARG,
+           "the same work twice is refused");
+    ts_log_release();
+    sp_frame_begin();
+    sp_frame_end();
+    ok(order_n == 2 && order[0] == 1 && order[1] == 2, "works run in registration order");
+    ok(budget_seen > 0 && budget_seen <= 5000000, "work a got the budget left (%llu ns)",
+       (unsigned long long)budget_seen);
+    is_int(sp_between_frames_remove(work_a, NULL), SP_OK, "remove work a");
+    order_n = 0;
+    sp_frame_begin();
+    sp_frame_end();
+    ok(order_n == 1 && order[0] == 2, "a removed work no longer runs");
+    sp_between_frames_remove(work_b, &two);
+
+    /* Compaction between frames: holes left by frees are closed. */
+    sp_handle_heap *hh = sp_handles();
+    enum { H = 256 };
+    sp_handle hs[H];
+    for (int i = 0; i < H; i++) {
+        hs[i] = sp_handle_alloc(hh, 1000, 16);
+        memset(sp_handle_resolve(hh, hs[i]), i & 0xff, 1000);
+    }
+    for (int i = 0; i < H; i += 2) sp_handle_free(hh, hs[i]);
+    sp_frame_begin();
+    ts_log_capture();
+    sp_handle_compact_stats cs;
+    ok(sp_handle_compact(hh, 1000000, &cs) != SP_OK, "compaction inside a frame is refused");
+    ts_log_release();
+    sp_frame_end();
+    sp_frame_stats st;
+    sp_frame_stats_last(&st);
+    bool kept = true;
+    for (int i = 1; i < H; i += 2)
+        kept = kept && ts_filled(sp_handle_resolve(hh, hs[i]), 1000, (uint8_t)(i & 0xff));
+    sp_handle_heap_status hst;
+    sp_handle_heap_status_get(hh, &hst);
+    ok(st.handle_moved > 0 && hst.hole_bytes == 0 && kept,
+       "sp_frame_end compacted the handle heap: %zu bytes moved, no hole left, contents kept",
+       st.handle_moved);
+    for (int i = 1; i < H; i += 2) sp_handle_free(hh, hs[i]);
+
+    /* sp_retire: freed after a grace period, found at a later frame. */
+    atomic_store(&freed, 0);
+    sp_frame_begin();
+    for (int i = 0; i < 3; i++) sp_retire(malloc(32), count_free);
+    sp_frame_end();
+    sp_frame_stats_last(&st);
+    ok(st.retired == 3, "the frame counts 3 retired objects");
+    uint64_t t0 = sp_time_ns();
+    while (atomic_load(&freed) < 3 && sp_time_ns() - t0 < 5000000000u) {
+        sp_frame_begin();
+        sp_frame_end();
+    }
+    is_int(atomic_load(&freed), 3, "every retired object freed once after a grace period");
+    is_int(sp_shutdown(), SP_OK, "shutdown");
+}
+
+static pthread_barrier_t attach_bar;
+
+static void *attach_thread(void *arg) {
+    int *r = arg;
+    r[0] = sp_thread_attach();
+    ts_log_capture();
+    r[1] = sp_thread_attach();
+    ts_log_release();
+    void *p = sp_tcache_alloc(64);
+    r[2] = p != NULL && sp_tcache_owner_thread(p) == sp_thread_os_id();
+    sp_tcache_free(p);
+    sp_thread_quiescent();
+    pthread_barrier_wait(&attach_bar); /* main: status, refused shutdown */
+    pthread_barrier_wait(&attach_bar);
+    r[3] = sp_thread_detach();
+    ts_log_capture();
+    r[4] = sp_thread_detach();
+    ts_log_release();
+    return NULL;
+}
+
+static void test_attach(void) {
+    sp_desc d = small_desc(1);
+    sp_init(&d);
+    ts_log_capture();
+    is_int(sp_thread_attach(), SP_ERR_INVALID_ARG, "the main thread cannot attach");
+    ts_log_release();
+    int r[5] = {-99, -99, -99, -99, -99};
+    pthread_barrier_init(&attach_bar, NULL, 2);
+    pthread_t t;
+    pthread_create(&t, NULL, attach_thread, r);
+    pthread_barrier_wait(&attach_bar);
+    ok(r[0] == SP_OK && r[1] == SP_ERR_INVALID_ARG && r[2],
+       "a thread attaches once (twice: SP_ERR_INVALID_ARG) and allocates from its own cache");
+    sp_status st;
+    sp_status_get(&st);
+    is_int(st.attached_threads, 1, "status counts the attached thread");
+    ts_log_capture();
+    is_int(sp_shutdown(), SP_ERR_INVALID_ARG, "shutdown with a thread still attached is refused");
+    ok(strstr(ts_logged.last_message, "attached") != NULL, "... saying why");
+    ts_log_release();
+    sp_frame_begin(); /* the runtime still works after the refusal */
+    sp_frame_end();
+    pthread_barrier_wait(&attach_bar);
+    pthread_join(t, NULL);
+    pthread_barrier_destroy(&attach_bar);
+    ok(r[3] == SP_OK && r[4] == SP_ERR_INVALID_ARG, "detach once (twice: SP_ERR_INVALID_ARG)");
+    sp_status_get(&st);
+    is_int(st.attached_threads, 0, "no thread attached");
+    is_int(sp_shutdown(), SP_OK, "shutdown");
+}
+
+int main(void) {
+    test_before_init();
+    test_regions();
+    for (uint32_t w = 0; w <= 2; w++) test_frame_jobs(w);
+    for (uint32_t b = 1; b <= 4; b++) test_lifetime(b);
+    test_overflow(SP_FRAME_OVERFLOW_NULL);
+    test_overflow(SP_FRAME_OVERFLOW_HEAP);
+    test_between();
+    test_attach();
+    return done();
+}
