@@ -1,49 +1,68 @@
-/* spindle-demo: a stand-in until the flagship demo exists. It exercises what is built today:
- * a virtual-memory reservation (huge pages requested), one locked central TLSF heap on it, and
- * the job scheduler running "frames": each frame a batch of jobs (one per lane) churns the
- * heap with malloc/free/realloc/aligned allocations, then a parallel_for checks every live
- * block's contents.
+/* spindle-demo: the flagship demo. A small "game" on the whole runtime: sp_init, then frames
+ * until the time is up, then sp_shutdown.
  *
- * Prints the heap's and the scheduler's figures once a second and at the end; exits non-zero
- * if a block's contents were damaged, sp_tlsf_check finds a broken invariant, or any block is
- * still live.
+ * The world is a set of entities living in the handle heap (variable-size payloads, 16 B to
+ * 4 KiB, with a size mix that drifts over time). Every frame:
+ *   - the main thread spawns and despawns entities (holes for the compactor);
+ *   - an update job runs a parallel_for over the entities: each piece pins its entities,
+ *     checks their payload, moves them, and writes a render record for each into this
+ *     frame's arena (lock-free bump allocation per worker);
+ *   - each piece also sends "events" (thread-cache blocks) to a mailbox that the next frame's
+ *     pieces free, usually on another worker (remote frees);
+ *   - a render job (after the update, through a counter) walks last frame's and this frame's
+ *     render records - last frame's arena data is still valid - and checks them;
+ *   - sp_frame_end waits for the jobs, flips the arena, trims the caches and compacts the
+ *     handle heap within the between-frames budget.
+ * Prints a line of figures a second and a summary; exits non-zero if any payload, render
+ * record or event was damaged, or if anything leaked.
  *
- *   spindle-demo [SECONDS] [LANES]     defaults: 1 second, 16 lanes
+ *   spindle-demo [SECONDS] [ENTITIES]     defaults: 2 seconds, 20000 entities
  */
 #include <inttypes.h>
 #include <stdatomic.h>
-#include <stdbool.h>
-#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "spindle.h"
 
-#define HEAP_BYTES ((size_t)32 << 20) /* a multiple of the 2 MiB huge page */
-#define MAX_LANES 256
-#define SLOTS 512 /* live blocks per lane, at most */
-#define OPS_PER_JOB 256
+#define MAX_ENTITIES 200000
+#define GRAIN 256
+#define MAILBOXES (MAX_ENTITIES / GRAIN + 1) /* one per GRAIN entities */
 
-/* One live block: where, how many bytes the test asked for, and the byte it is filled with. */
-typedef struct slot {
-    uint8_t *ptr;
-    size_t size;
-    uint8_t fill;
-} slot;
+typedef struct entity {
+    uint32_t id;
+    uint32_t len; /* payload bytes */
+    float pos[2], vel[2];
+    uint8_t payload[]; /* byte i = id + i */
+} entity;
 
-/* A lane: the blocks one job of each frame works on. Frames run one after another and each
- * lane has one job per frame, so a lane is never touched by two jobs at once. */
-typedef struct worker {
-    sp_tlsf *heap;
+typedef struct render_rec {
+    uint32_t id;
+    float pos[2];
+} render_rec;
+
+typedef struct event {
+    struct event *next;
+    uint32_t id, check;
+} event;
+
+typedef struct world {
+    sp_handle_heap *heap;
+    sp_handle ents[MAX_ENTITIES];
+    uint32_t count;
+    uint32_t next_id;
+    uint64_t frame;
     uint64_t rng;
-    slot slots[SLOTS];
-    uint64_t ops;
-    uint64_t out_of_memory; /* NULL from a full heap: expected now and then, not an error */
-    uint64_t damaged;       /* blocks whose contents changed while they were live */
-} worker;
+    render_rec *render[2]; /* this frame's and last frame's records (arena memory) */
+    uint32_t render_count[2];
+    event *mail[MAILBOXES]; /* events sent last frame, freed by this frame's piece */
+    atomic_uint_fast64_t damaged, events_checked, render_checked;
+    sp_counter *updated;
+} world;
 
-/* splitmix64: small and good enough to pick sizes and operations. */
+static world W;
+
 static uint64_t rng_next(uint64_t *s) {
     uint64_t z = (*s += 0x9e3779b97f4a7c15u);
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9u;
@@ -51,251 +70,196 @@ static uint64_t rng_next(uint64_t *s) {
     return z ^ (z >> 31);
 }
 
-/* Mostly small blocks, some medium, a few large: the mix a game's central heap sees. */
-static size_t size_pick(uint64_t *rng) {
-    uint64_t r = rng_next(rng);
-    switch (r % 16) {
-    case 0: return (size_t)(r >> 8) % (256 * 1024) + 1; /* up to 256 KiB */
-    case 1:
-    case 2: return (size_t)(r >> 8) % 16384 + 1; /* up to 16 KiB */
-    default: return (size_t)(r >> 8) % 512;      /* 0..511 bytes */
+/* Size mix drifting with time: mostly small early, larger later, and back. */
+static uint32_t payload_size(uint64_t frame, uint64_t r) {
+    uint32_t phase = (uint32_t)(frame / 120 % 4); /* 0..3, two seconds each at 60 fps */
+    uint32_t max = 64u << (phase * 2);            /* 64 B .. 4 KiB */
+    return 16 + (uint32_t)(r % max);
+}
+
+static void spawn(void) {
+    uint32_t len = payload_size(W.frame, rng_next(&W.rng));
+    sp_handle h = sp_handle_alloc(W.heap, sizeof(entity) + len, 16);
+    entity *e = sp_handle_resolve(W.heap, h);
+    if (!e) return; /* heap full: counted as no spawn */
+    e->id = W.next_id++;
+    e->len = len;
+    e->pos[0] = e->pos[1] = 0;
+    e->vel[0] = (float)(e->id % 7) - 3;
+    e->vel[1] = (float)(e->id % 5) - 2;
+    for (uint32_t i = 0; i < len; i++) e->payload[i] = (uint8_t)(e->id + i);
+    W.ents[W.count++] = h;
+}
+
+static void despawn(uint32_t i) {
+    sp_handle_free(W.heap, W.ents[i]);
+    W.ents[i] = W.ents[--W.count];
+}
+
+/* Mailbox c belongs to the piece whose range holds entity c * GRAIN: one owner per frame,
+ * whatever way parallel_for split the range. */
+static void mail_collect(uint64_t c) {
+    for (event *ev = W.mail[c], *next; ev; ev = next) {
+        next = ev->next;
+        if (ev->check != ev->id * 2654435761u) atomic_fetch_add(&W.damaged, 1);
+        atomic_fetch_add(&W.events_checked, 1);
+        sp_tcache_free(ev); /* allocated last frame, often by another worker: a remote free */
     }
+    W.mail[c] = NULL;
 }
 
-/* Whether all `size` bytes of a block still hold `fill`. */
-static bool block_intact(const uint8_t *p, size_t size, uint8_t fill) {
-    for (size_t i = 0; i < size; i++)
-        if (p[i] != fill) return false;
-    return true;
-}
-
-static void slot_release(worker *w, slot *s) {
-    if (!block_intact(s->ptr, s->size, s->fill)) w->damaged++;
-    sp_tlsf_free(w->heap, s->ptr);
-    s->ptr = NULL;
-}
-
-/* Fill an empty slot with a new block: plain or over-aligned. */
-static void slot_fill(worker *w, slot *s) {
-    size_t size = size_pick(&w->rng);
-    uint64_t r = rng_next(&w->rng);
-    uint8_t *p;
-    if (r % 8 == 0) {
-        size_t align = (size_t)16 << (r >> 8) % 9; /* 16 B .. 4 KiB */
-        p = sp_tlsf_aligned_alloc(w->heap, align, size);
-        if (p && ((uintptr_t)p & (align - 1)) != 0) w->damaged++;
-    } else {
-        p = sp_tlsf_malloc(w->heap, size);
-    }
-    if (!p) {
-        w->out_of_memory++;
-        return;
-    }
-    s->ptr = p;
-    s->size = size;
-    s->fill = (uint8_t)(r >> 32);
-    memset(p, s->fill, size);
-}
-
-/* Grow or shrink a live block; the kept prefix must survive, the rest is refilled. */
-static void slot_resize(worker *w, slot *s) {
-    size_t size = size_pick(&w->rng);
-    if (size == 0) size = 1; /* realloc(p, 0) frees: keep this a resize */
-    uint8_t *p = sp_tlsf_realloc(w->heap, s->ptr, size);
-    if (!p) {
-        w->out_of_memory++; /* the old block is untouched and still ours */
-        return;
-    }
-    size_t kept = size < s->size ? size : s->size;
-    if (!block_intact(p, kept, s->fill)) w->damaged++;
-    memset(p, s->fill, size);
-    s->ptr = p;
-    s->size = size;
-}
-
-/* One frame's job for a lane. */
-static void lane_churn(void *arg) {
-    worker *w = arg;
-    for (int i = 0; i < OPS_PER_JOB; i++) {
-        uint64_t r = rng_next(&w->rng);
-        slot *s = &w->slots[r % SLOTS];
-        if (!s->ptr)
-            slot_fill(w, s);
-        else if ((r >> 32) % 4 == 0)
-            slot_resize(w, s);
-        else
-            slot_release(w, s);
-        w->ops++;
-    }
-}
-
-/* The last frame's job for a lane: free everything. */
-static void lane_drain(void *arg) {
-    worker *w = arg;
-    for (size_t i = 0; i < SLOTS; i++)
-        if (w->slots[i].ptr) slot_release(w, &w->slots[i]);
-}
-
-/* parallel_for body: check the contents of lanes [begin, end). */
-static atomic_uint_fast64_t check_damaged;
-static void lanes_check(void *arg, uint64_t begin, uint64_t end) {
-    worker *lanes = arg;
-    for (uint64_t l = begin; l < end; l++)
-        for (size_t i = 0; i < SLOTS; i++) {
-            const slot *s = &lanes[l].slots[i];
-            if (s->ptr && !block_intact(s->ptr, s->size, s->fill))
-                atomic_fetch_add(&check_damaged, 1);
+/* One piece of the update: entities [begin, end). */
+static void update_range(void *arg, uint64_t begin, uint64_t end) {
+    (void)arg;
+    uint64_t first_box = (begin + GRAIN - 1) / GRAIN;
+    for (uint64_t c = first_box; c * GRAIN < end; c++) mail_collect(c);
+    bool has_box = first_box * GRAIN < end;
+    render_rec *out = W.render[W.frame & 1];
+    for (uint64_t i = begin; i < end; i++) {
+        entity *e = sp_handle_pin(W.heap, W.ents[i]);
+        if (!e) {
+            atomic_fetch_add(&W.damaged, 1);
+            continue;
         }
-}
-
-/* Submit one job per lane and wait for them. */
-static bool frame_run(sp_jobs *jobs, sp_counter *done, worker *lanes, int nlanes, sp_job_fn fn,
-                      sp_job_desc *descs) {
-    for (int i = 0; i < nlanes; i++)
-        descs[i] = (sp_job_desc){.fn = fn, .arg = &lanes[i], .name = "lane"};
-    if (sp_jobs_submit(jobs, descs, (uint32_t)nlanes, done) != SP_OK) return false;
-    return sp_counter_wait(done, 0) == SP_OK;
-}
-
-static const char *page_kind_name(sp_page_kind k) {
-    switch (k) {
-    case SP_PAGES_HUGE: return "explicit huge pages (MAP_HUGETLB)";
-    case SP_PAGES_TRANSPARENT: return "base pages with transparent huge pages requested";
-    default: return "base pages";
+        for (uint32_t k = 0; k < e->len; k += 61)
+            if (e->payload[k] != (uint8_t)(e->id + k)) atomic_fetch_add(&W.damaged, 1);
+        e->pos[0] += e->vel[0] * 0.016f;
+        e->pos[1] += e->vel[1] * 0.016f;
+        out[i] = (render_rec){e->id, {e->pos[0], e->pos[1]}};
+        sp_handle_unpin(W.heap, W.ents[i]);
+        if (has_box && i % 64 == 0) {
+            event *ev = sp_tcache_alloc(sizeof *ev + (i % 200));
+            if (!ev) continue;
+            ev->id = e->id;
+            ev->check = e->id * 2654435761u;
+            ev->next = W.mail[first_box];
+            W.mail[first_box] = ev;
+        }
     }
 }
 
-static void status_print(sp_tlsf *heap, sp_jobs *jobs, uint64_t frames, double seconds) {
-    sp_tlsf_status st;
-    sp_tlsf_status_get(heap, &st);
-    sp_jobs_status js;
-    sp_jobs_status_get(jobs, &js);
-    printf("%5.1f s  frame %6" PRIu64 "  jobs %8" PRIu64 " (%" PRIu64 " stolen)  heap: used %9zu B"
-           " in %6zu blocks, free %9zu B in %5zu blocks, fragmentation %5.1f %%\n",
-           seconds, frames, js.jobs_run, js.jobs_stolen, st.bytes_used, st.live_blocks,
-           st.bytes_free, st.free_blocks, 100.0 * st.fragmentation);
-    fflush(stdout);
+static void update_job(void *arg) {
+    (void)arg;
+    sp_parallel_for(sp_scheduler(), 0, W.count, GRAIN, update_range, NULL);
+}
+
+/* After the update: this frame's records are complete, last frame's are still valid. */
+static void render_job(void *arg) {
+    (void)arg;
+    for (int b = 0; b < 2; b++) {
+        const render_rec *r = W.render[b];
+        if (!r) continue;
+        for (uint32_t i = 0; i < W.render_count[b]; i += 97) {
+            if (r[i].id >= W.next_id) atomic_fetch_add(&W.damaged, 1);
+            atomic_fetch_add(&W.render_checked, 1);
+        }
+    }
+}
+
+static void free_world(void) {
+    while (W.count) despawn(W.count - 1);
+    for (int i = 0; i < MAILBOXES; i++)
+        for (event *ev = W.mail[i], *next; ev; ev = next) {
+            next = ev->next;
+            sp_tcache_free(ev);
+        }
+    memset(W.mail, 0, sizeof W.mail);
 }
 
 int main(int argc, char **argv) {
-    double seconds = argc > 1 ? atof(argv[1]) : 1.0;
-    int nlanes = argc > 2 ? atoi(argv[2]) : 16;
-    if (seconds <= 0 || seconds > 3600 || nlanes < 1 || nlanes > MAX_LANES) {
-        fprintf(stderr, "usage: %s [SECONDS (0-3600]] [LANES 1-%d]\n", argv[0], MAX_LANES);
+    double seconds = argc > 1 ? atof(argv[1]) : 2.0;
+    long entities = argc > 2 ? atol(argv[2]) : 20000;
+    if (!(seconds > 0 && seconds <= 3600) || entities < 1 || entities > MAX_ENTITIES / 2) {
+        fprintf(stderr, "usage: %s [SECONDS (0-3600]] [ENTITIES 1-%d]\n", argv[0],
+                MAX_ENTITIES / 2);
         return 2;
     }
-
-    int status = 1;
-    uint8_t *memory = NULL;
-    sp_tlsf *heap = NULL;
-    worker *lanes = NULL;
-    sp_job_desc *descs = NULL;
-    sp_jobs *jobs = NULL;
-    sp_counter *done = NULL;
-
-    sp_page_kind granted = SP_PAGES_NORMAL;
-    memory = sp_vm_reserve(HEAP_BYTES, 0, true, &granted);
-    if (!memory) {
-        fprintf(stderr, "sp_vm_reserve(%zu) failed\n", HEAP_BYTES);
-        goto out;
+    sp_desc desc = {0};
+    desc.huge_pages = true;
+    sp_result r = sp_init(&desc);
+    if (r != SP_OK) {
+        fprintf(stderr, "sp_init failed in %s: %s\n", sp_init_failure() ? sp_init_failure() : "?",
+                sp_result_name(r));
+        return 1;
     }
-    printf("reserved %zu MiB, huge pages requested: got %s\n", HEAP_BYTES >> 20,
-           page_kind_name(granted));
-    if (sp_vm_commit(memory, HEAP_BYTES) != SP_OK) {
-        fprintf(stderr, "sp_vm_commit failed\n");
-        goto out;
-    }
-
-    sp_result err = SP_OK;
-    heap = sp_tlsf_create(
-        &(sp_tlsf_desc){.memory = memory, .size = HEAP_BYTES, .locked = true, .name = "demo"},
-        &err);
-    if (!heap) {
-        fprintf(stderr, "sp_tlsf_create failed: %s\n", sp_result_name(err));
-        goto out;
-    }
-    err = sp_jobs_create(&jobs, NULL); /* defaults: one worker per core */
-    if (err != SP_OK) {
-        fprintf(stderr, "sp_jobs_create failed: %s\n", sp_result_name(err));
-        goto out;
-    }
-    done = sp_counter_create(jobs, "frame");
-    lanes = calloc((size_t)nlanes, sizeof *lanes);
-    descs = calloc((size_t)nlanes, sizeof *descs);
-    if (!done || !lanes || !descs) goto out;
+    sp_status st;
+    sp_status_get(&st);
     sp_jobs_status js;
-    sp_jobs_status_get(jobs, &js);
-    printf("%d lanes of random malloc/free/realloc/aligned_alloc on one locked TLSF heap, one "
-           "job per lane per frame, for %.1f s (%" PRIu32 " CPUs, %u workers + the main "
-           "thread)\n",
-           nlanes, seconds, sp_cpu_count(), js.workers);
-    for (int i = 0; i < nlanes; i++) {
-        lanes[i].heap = heap;
-        lanes[i].rng = 0x5eed0000u + (uint64_t)i;
-    }
+    sp_jobs_status_get(sp_scheduler(), &js);
+    static const char *pages[] = {"normal", "transparent huge", "huge"};
+    printf("spindle-demo: %ld entities, %.1f s; %u workers + main thread; %zu MiB reserved "
+           "(%s pages)\n",
+           entities, seconds, js.workers, st.reserved >> 20, pages[st.pages]);
 
-    /* Frames until the time is up: churn, then check every live block in parallel. */
-    uint64_t t0 = sp_time_ns(), frames = 0, damaged = 0;
-    const uint64_t end = t0 + (uint64_t)(seconds * 1e9);
-    bool ran = true;
-    for (uint64_t next = t0 + 1000000000u, now = t0; ran && now < end; now = sp_time_ns()) {
-        ran = frame_run(jobs, done, lanes, nlanes, lane_churn, descs) &&
-              sp_parallel_for(jobs, 0, (uint64_t)nlanes, 1, lanes_check, lanes) == SP_OK;
-        frames++;
-        if (now >= next) {
-            status_print(heap, jobs, frames, (double)(now - t0) / 1e9);
-            next += 1000000000u;
+    W.heap = sp_handles();
+    W.rng = 42;
+    W.updated = sp_counter_create(sp_scheduler(), "updated");
+    sp_tcache_status t0;
+    sp_tcache_status_get(&t0);
+    for (long i = 0; i < entities; i++) spawn();
+
+    uint64_t start = sp_time_ns(), last_print = start, frames = 0, moved = 0, overflows = 0;
+    uint64_t worst_frame = 0, jobs = 0;
+    for (;;) {
+        sp_frame_begin();
+        /* Churn: despawn ~1%, spawn back to the target (the size mix drifts). */
+        for (uint32_t k = 0; k < entities / 100 + 1 && W.count; k++)
+            despawn((uint32_t)(rng_next(&W.rng) % W.count));
+        while (W.count < (uint32_t)entities) spawn();
+        W.render[W.frame & 1] = sp_arena_alloc(sizeof(render_rec) * W.count);
+        W.render_count[W.frame & 1] = W.render[W.frame & 1] ? W.count : 0;
+        if (W.render[W.frame & 1]) {
+            sp_job_desc update = {.fn = update_job, .name = "update"};
+            sp_job_desc render = {.fn = render_job, .name = "render"};
+            sp_submit(&update, 1, W.updated);
+            /* The render job waits for the update (deferred on its counter), the frame for the
+             * render job (the frame counter); the update's own counter is waited for here. */
+            sp_jobs_submit_after(sp_scheduler(), W.updated, 0, &render, 1, sp_frame_counter());
         }
+        sp_counter_wait(W.updated, 0);
+        sp_frame_end();
+        W.frame++;
+        frames++;
+        sp_frame_stats fs;
+        sp_frame_stats_last(&fs);
+        moved += fs.handle_moved;
+        overflows += fs.arena_overflows;
+        jobs += fs.jobs_run;
+        if (fs.frame_ns > worst_frame) worst_frame = fs.frame_ns;
+        uint64_t now = sp_time_ns();
+        if (now - last_print >= 1000000000u || now - start >= (uint64_t)(seconds * 1e9)) {
+            printf("  frame %6" PRIu64 ": %5.2f ms, %4" PRIu64 " jobs, arena %5zu KiB (peak "
+                   "%5zu), heap %6zu KiB, handles %6zu KiB live, %5.2f%% fragmented, %7zu KiB "
+                   "moved\n",
+                   fs.frame, fs.frame_ns / 1e6, fs.jobs_run, fs.arena_bytes >> 10,
+                   fs.arena_peak >> 10, fs.heap_bytes >> 10, fs.handle_bytes >> 10,
+                   fs.handle_fragmentation * 100, fs.handle_moved >> 10);
+            last_print = now;
+        }
+        if (now - start >= (uint64_t)(seconds * 1e9)) break;
     }
-    status_print(heap, jobs, frames, (double)(sp_time_ns() - t0) / 1e9);
-    ran = ran && frame_run(jobs, done, lanes, nlanes, lane_drain, descs);
+    double elapsed = (sp_time_ns() - start) / 1e9;
 
-    uint64_t ops = 0, oom = 0;
-    for (int i = 0; i < nlanes; i++) {
-        ops += lanes[i].ops;
-        oom += lanes[i].out_of_memory;
-        damaged += lanes[i].damaged;
+    /* Tear down: free the world, two empty frames reclaim the arena, then check the figures. */
+    free_world();
+    for (int i = 0; i < 2; i++) {
+        sp_frame_begin();
+        sp_frame_end();
     }
-    damaged += atomic_load(&check_damaged);
-    double took = (double)(sp_time_ns() - t0) / 1e9;
-    printf("after the last frame (every lane freed its blocks):\n");
-    status_print(heap, jobs, frames, took);
-    printf("%" PRIu64 " heap operations in %" PRIu64 " frames in %.2f s, %" PRIu64
-           " refused for lack of memory\n",
-           ops, frames, took, oom);
-
-    sp_tlsf_status st;
-    sp_tlsf_status_get(heap, &st);
-    sp_result check = sp_tlsf_check(heap);
-    bool ok = ran;
-    if (!ran) printf("FAIL: a frame could not be submitted or waited for\n");
-    if (damaged) {
-        printf("FAIL: %" PRIu64 " blocks were damaged or misaligned\n", damaged);
-        ok = false;
-    }
-    if (check != SP_OK) {
-        printf("FAIL: sp_tlsf_check: %s\n", sp_result_name(check));
-        ok = false;
-    }
-    if (st.live_blocks != 0 || st.bytes_used != 0) {
-        printf("FAIL: %zu blocks (%zu bytes) still live\n", st.live_blocks, st.bytes_used);
-        ok = false;
-    }
-    size_t leaked = sp_tlsf_destroy(heap);
-    heap = NULL;
-    if (leaked) {
-        printf("FAIL: sp_tlsf_destroy reports %zu live blocks\n", leaked);
-        ok = false;
-    }
-    if (ok) printf("ok: heap check passed, every block freed\n");
-    status = ok ? 0 : 1;
-
-out:
-    sp_counter_destroy(done);
-    sp_jobs_destroy(jobs);
-    if (heap) sp_tlsf_destroy(heap);
-    free(descs);
-    free(lanes);
-    if (memory) sp_vm_release(memory, HEAP_BYTES);
-    return status;
+    sp_tcache_trim();
+    sp_handle_heap_status hs;
+    sp_handle_heap_status_get(W.heap, &hs);
+    sp_counter_destroy(W.updated);
+    uint64_t damaged = atomic_load(&W.damaged);
+    printf("spindle-demo: %" PRIu64 " frames in %.2f s (%.0f fps, worst %.2f ms), %" PRIu64
+           " jobs, %" PRIu64 " MiB compacted, %" PRIu64 " arena overflows; checked %" PRIu64
+           " events, %" PRIu64 " render records: %" PRIu64 " damaged\n",
+           frames, elapsed, frames / elapsed, worst_frame / 1e6, jobs, moved >> 20, overflows,
+           (uint64_t)atomic_load(&W.events_checked), (uint64_t)atomic_load(&W.render_checked),
+           damaged);
+    bool leaked = hs.live_handles != 0;
+    if (leaked) printf("spindle-demo: %zu handles still live\n", (size_t)hs.live_handles);
+    r = sp_shutdown();
+    if (r != SP_OK) printf("spindle-demo: sp_shutdown: %s\n", sp_result_name(r));
+    return damaged || leaked || r != SP_OK ? 1 : 0;
 }
