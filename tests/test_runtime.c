@@ -271,6 +271,21 @@ static void count_free(void *p) {
     atomic_fetch_add(&freed, 1);
 }
 
+enum { GROW = 5000 };
+static sp_handle grown[GROW];
+static bool grow_ok;
+
+static void grow_job(void *arg) {
+    grow_ok = true;
+    for (int i = 0; i < GROW; i++) {
+        grown[i] = sp_handle_alloc(arg, 32, 16);
+        grow_ok = grow_ok && grown[i].id != 0;
+    }
+}
+static void shrink_job(void *arg) {
+    for (int i = 0; i < GROW; i++) sp_handle_free(arg, grown[i]);
+}
+
 static void test_between(void) {
     sp_desc d = small_desc(2);
     d.between_budget_ns = 5000000;
@@ -334,6 +349,23 @@ static void test_between(void) {
         sp_frame_end();
     }
     is_int(atomic_load(&freed), 3, "every retired object freed once after a grace period");
+
+    /* The handle table grows from jobs during a frame: the old tables go through sp_retire. */
+    sp_handle_heap_status_get(hh, &hst);
+    uint32_t cap0 = hst.table_capacity;
+    sp_frame_begin();
+    sp_job_desc grow = {.fn = grow_job, .arg = hh};
+    sp_submit(&grow, 1, NULL);
+    sp_frame_end();
+    sp_frame_stats_last(&st);
+    sp_handle_heap_status_get(hh, &hst);
+    ok(hst.table_capacity > cap0 && st.retired >= 1 && grow_ok,
+       "the table grew from %u to %u slots in a job; %llu old tables retired", cap0,
+       hst.table_capacity, (unsigned long long)st.retired);
+    sp_frame_begin();
+    grow.fn = shrink_job;
+    sp_submit(&grow, 1, NULL);
+    sp_frame_end();
     is_int(sp_shutdown(), SP_OK, "shutdown");
 }
 
