@@ -1,0 +1,288 @@
+/* The `frame` benchmark area: frame arenas (sp_frame.h) against the thread caches and the
+ * process malloc (glibc here; bench_frame_mimalloc links mimalloc as the process malloc).
+ * Names: frame/CASE/WHO/PARAM.
+ *
+ *   alloc     frame-style allocation from jobs: per frame, each worker thread runs one job
+ *             (pinned to it) that makes 16,384 allocations of 16..256 bytes (a seeded table,
+ *             the same every frame) and stores each pointer in its frame's slot array, writing
+ *             one word into the block. WHO:
+ *               arena     sp_frame_alloc; nothing is freed; after each frame the main thread
+ *                         calls sp_frame_arena_advance (which reclaims the buffer of two
+ *                         frames ago): its time is charged in full to every thread
+ *               tcache    sp_tcache_alloc; the job first frees, with sp_tcache_free, the
+ *                         blocks it allocated two frames ago (what the arena reclaims then)
+ *               glibc / mimalloc   malloc, and free of the blocks of two frames ago likewise
+ *             Headline ns_per_alloc: per worker thread (averaged over threads), that thread's
+ *             time inside its jobs (frees included) plus the advances, over its allocations.
+ *             wall_ns_per_alloc: wall time from the first job's start to the last job's end
+ *             per frame, over all threads' allocations (1 / throughput). workers:1 = the
+ *             scheduler with no worker threads (jobs run on the main thread in its waits);
+ *             workers:2 = the main thread plus one worker, one job pinned to each; the two
+ *             jobs meet at a spin barrier before their timed part so that wake-up latency is
+ *             not timed. 64 frames per sample after 4 untimed warm-up frames.
+ *   reset     arena only: fill the current buffer with N allocations of 16..256 bytes from
+ *             the main thread, advance once (reclaims the other, empty buffer), then time the
+ *             advance that reclaims the full one (sp_ticks around the one call). N = 1,000,
+ *             100,000, 1,000,000. Headline ns: mean per reclaim.
+ *
+ * Own flags: --smoke (or BENCH_SMOKE=1): tiny workloads, every case once.
+ */
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench.h"
+#include "sp_frame.h"
+#include "sp_jobs.h"
+#include "sp_platform.h"
+#include "sp_tcache.h"
+
+#include "peer.h"
+
+enum { MAX_WORKERS = 2 };
+
+static struct {
+    uint32_t frame_allocs; /* per thread per frame */
+    int64_t frames;
+    int64_t warm_frames;
+    int64_t resets_small, resets_large; /* reclaims timed per sample (N <= 100,000 / above) */
+    bool smoke;
+} cfg = {16384, 64, 4, 2000, 20, false};
+
+typedef enum who { ARENA, TCACHE, PROCESS } who;
+
+typedef struct bench_arg {
+    who w;
+    uint32_t workers; /* alloc */
+    uint32_t n;       /* reset */
+} bench_arg;
+
+/* ---- alloc ------------------------------------------------------------------------------ */
+
+typedef struct worker_ctx {
+    who w;
+    sp_frame_arena *arena;
+    const uint32_t *sizes;
+    uint32_t n;
+    void **slots[2]; /* the blocks of the last two frames: [frame % 2] */
+    atomic_int *arrived;
+    uint32_t threads;
+    uint64_t frame;
+    uint64_t ns, t0, t1; /* time in jobs so far; this frame's start and end */
+} worker_ctx;
+
+static inline __attribute__((always_inline)) void frame_work(who w, worker_ctx *x) {
+    void **slot = x->slots[x->frame % 2];
+    const uint32_t *sizes = x->sizes;
+    if (w == TCACHE)
+        for (uint32_t i = 0; i < x->n; i++) sp_tcache_free(slot[i]);
+    else if (w == PROCESS)
+        for (uint32_t i = 0; i < x->n; i++) free(slot[i]);
+    for (uint32_t i = 0; i < x->n; i++) {
+        void *p = w == ARENA    ? sp_frame_alloc(x->arena, sizes[i])
+                  : w == TCACHE ? sp_tcache_alloc(sizes[i])
+                                : malloc(sizes[i]);
+        *(uint32_t *)p = i;
+        slot[i] = p;
+    }
+    bench_escape(slot);
+}
+
+static __attribute__((noinline)) void work_arena(worker_ctx *x) {
+    frame_work(ARENA, x);
+}
+static __attribute__((noinline)) void work_tcache(worker_ctx *x) {
+    frame_work(TCACHE, x);
+}
+static __attribute__((noinline)) void work_process(worker_ctx *x) {
+    frame_work(PROCESS, x);
+}
+
+static void alloc_job(void *arg) {
+    worker_ctx *x = arg;
+    /* Both jobs run at once on their own threads (pinned): meet before the timed part. */
+    atomic_fetch_add(x->arrived, 1);
+    while ((uint32_t)atomic_load_explicit(x->arrived, memory_order_acquire) < x->threads) {
+    }
+    x->t0 = sp_time_ns();
+    (x->w == ARENA ? work_arena : x->w == TCACHE ? work_tcache : work_process)(x);
+    x->t1 = sp_time_ns();
+    x->ns += x->t1 - x->t0;
+}
+
+static void run_alloc(bench_state *st, const void *varg) {
+    const bench_arg *a = varg;
+    uint32_t W = a->workers, n = cfg.frame_allocs;
+    sp_jobs *s = NULL;
+    sp_jobs_desc jd =
+        W == 1 ? (sp_jobs_desc){.no_workers = true} : (sp_jobs_desc){.workers = W - 1};
+    if (sp_jobs_create(&s, &jd) != SP_OK) {
+        bench_skip_with_error(st, "sp_jobs_create failed");
+        return;
+    }
+    sp_frame_arena *arena = NULL;
+    if (a->w == ARENA && !(arena = sp_frame_arena_create(NULL, NULL))) {
+        sp_jobs_destroy(s);
+        bench_skip_with_error(st, "sp_frame_arena_create failed");
+        return;
+    }
+    region mem;
+    uint32_t *sizes = region_get(&mem, (size_t)W * n * (sizeof(uint32_t) + 2 * sizeof(void *)));
+    if (!sizes) {
+        sp_frame_arena_destroy(arena);
+        sp_jobs_destroy(s);
+        bench_skip_with_error(st, "harness memory");
+        return;
+    }
+    void **slots = (void **)(void *)(sizes + (size_t)W * n + ((size_t)W * n & 1));
+    atomic_int arrived;
+    worker_ctx x[MAX_WORKERS];
+    sp_job_desc jobs[MAX_WORKERS];
+    uint64_t seed = 0xf4a3e;
+    for (uint32_t t = 0; t < W; t++) {
+        for (uint32_t i = 0; i < n; i++)
+            sizes[(size_t)t * n + i] = 16 + (uint32_t)(rng_next(&seed) % 241);
+        x[t] = (worker_ctx){.w = a->w,
+                            .arena = arena,
+                            .sizes = sizes + (size_t)t * n,
+                            .n = n,
+                            .slots = {slots + (size_t)t * 2 * n, slots + (size_t)t * 2 * n + n},
+                            .arrived = &arrived,
+                            .threads = W};
+        jobs[t] = (sp_job_desc){
+            .fn = alloc_job, .arg = &x[t], .name = "alloc", .pinned = true, .worker = t};
+    }
+    sp_counter *c = sp_counter_create(s, "frame");
+    uint64_t advance_ns = 0, wall_ns = 0, frame = 0;
+    bool good = c != NULL;
+    /* One frame: the jobs, then (arena) the advance. */
+#define FRAME_RUN(timed)                                                                           \
+    do {                                                                                           \
+        atomic_store(&arrived, 0);                                                                 \
+        for (uint32_t t = 0; t < W; t++) x[t].frame = frame;                                       \
+        good &= sp_jobs_submit(s, jobs, W, c) == SP_OK;                                            \
+        good &= sp_counter_wait(c, 0) == SP_OK;                                                    \
+        uint64_t lo = x[0].t0, hi = x[0].t1;                                                       \
+        for (uint32_t t = 1; t < W; t++) {                                                         \
+            lo = x[t].t0 < lo ? x[t].t0 : lo;                                                      \
+            hi = x[t].t1 > hi ? x[t].t1 : hi;                                                      \
+        }                                                                                          \
+        if (timed) wall_ns += hi - lo;                                                             \
+        if (arena) {                                                                               \
+            uint64_t a0 = sp_time_ns();                                                            \
+            sp_frame_arena_advance(arena, NULL);                                                   \
+            if (timed) advance_ns += sp_time_ns() - a0;                                            \
+        }                                                                                          \
+        frame++;                                                                                   \
+    } while (0)
+    for (int64_t f = 0; good && f < cfg.warm_frames; f++) FRAME_RUN(false);
+    for (uint32_t t = 0; t < W; t++) x[t].ns = 0;
+    int64_t timed_frames = 0;
+    while (bench_keep_running_batch(st, cfg.frames)) {
+        for (int64_t f = 0; good && f < cfg.frames; f++) FRAME_RUN(true);
+        timed_frames += cfg.frames;
+    }
+#undef FRAME_RUN
+    double allocs = (double)timed_frames * n, per = 0;
+    for (uint32_t t = 0; t < W; t++) per += (double)(x[t].ns + advance_ns) / allocs;
+    if (good && timed_frames) {
+        bench_counter(st, "ns_per_alloc", per / W, BENCH_COUNTER_AVG_THREADS);
+        bench_counter(st, "wall_ns_per_alloc", (double)wall_ns / (allocs * W), 0);
+        bench_counter(st, "advance_ns", (double)advance_ns / (double)timed_frames, 0);
+    } else {
+        bench_skip_with_error(st, "a submit or wait failed");
+    }
+    if (a->w != ARENA) /* from the main thread: remote frees for tcache, untimed */
+        for (size_t i = 0; i < (size_t)W * 2 * n; i++)
+            a->w == TCACHE ? sp_tcache_free(slots[i]) : free(slots[i]);
+    sp_counter_destroy(c);
+    sp_jobs_destroy(s);
+    sp_frame_arena_destroy(arena);
+    region_put(&mem);
+}
+
+/* ---- reset ------------------------------------------------------------------------------ */
+
+static void run_reset(bench_state *st, const void *varg) {
+    const bench_arg *a = varg;
+    /* Two buffers of 256 MiB: 1,000,000 blocks of at most 256 B fit with room to spare. */
+    sp_frame_arena *arena =
+        sp_frame_arena_create(&(sp_frame_desc){.region_size = (size_t)512 << 20}, NULL);
+    if (!arena) {
+        bench_skip_with_error(st, "sp_frame_arena_create failed");
+        return;
+    }
+    int64_t resets = a->n <= 100000 ? cfg.resets_small : cfg.resets_large;
+    uint64_t seed = 0x7e5e7, ticks = 0, bad = 0;
+    int64_t done = 0;
+    while (bench_keep_running_batch(st, resets)) {
+        for (int64_t r = 0; r < resets; r++) {
+            for (uint32_t i = 0; i < a->n; i++) {
+                uint32_t *p = sp_frame_alloc(arena, 16 + (size_t)(rng_next(&seed) % 241));
+                if (!p) {
+                    bad++;
+                    break;
+                }
+                *p = i;
+            }
+            sp_frame_arena_advance(arena, NULL); /* reclaims the other (empty) buffer */
+            uint64_t t0 = sp_ticks();
+            sp_frame_arena_advance(arena, NULL); /* reclaims the one just filled */
+            ticks += sp_ticks() - t0;
+            done++;
+        }
+    }
+    if (bad) bench_skip_with_error(st, "reset: the buffer ran out");
+    if (done) bench_counter(st, "ns", sp_ticks_to_ns(ticks) / (double)done, 0);
+    sp_frame_arena_destroy(arena);
+}
+
+/* ---- registration ------------------------------------------------------------------------- */
+
+static bool process_malloc_verify(void) {
+    const char *lib = peer_malloc_lib("bench_frame");
+    if (lib) fprintf(stderr, "# bench_frame: process malloc is %s (%s)\n", PEER_NAME, lib);
+    return lib != NULL;
+}
+
+int main(int argc, char **argv) {
+    const char *env = getenv("BENCH_SMOKE");
+    cfg.smoke = bench_take_flag(&argc, argv, "--smoke") || (env && env[0] && env[0] != '0');
+    if (cfg.smoke) {
+        cfg.frame_allocs = 256;
+        cfg.frames = 2;
+        cfg.warm_frames = 1;
+        cfg.resets_small = 2;
+        cfg.resets_large = 1;
+    }
+    if (!process_malloc_verify()) return 1;
+    static bench_arg args[3][MAX_WORKERS], resets[3];
+    static char names[3][MAX_WORKERS][64], reset_names[3][64];
+#if defined(BENCH_PEER_GLIBC)
+    int first = ARENA;
+#else
+    int first = PROCESS; /* peer binaries: the peer only */
+#endif
+    static const char *who_name[] = {"arena", "tcache", PEER_NAME};
+    for (uint32_t w = 1; w <= MAX_WORKERS; w++)
+        for (int k = first; k <= PROCESS; k++) {
+            args[k][w - 1] = (bench_arg){.w = (who)k, .workers = w};
+            snprintf(names[k][w - 1], sizeof names[k][w - 1], "frame/alloc/%s/workers:%u",
+                     who_name[k], w);
+            bench_register(names[k][w - 1], run_alloc, &args[k][w - 1], 1);
+        }
+#if defined(BENCH_PEER_GLIBC)
+    static const uint32_t reset_n[3] = {1000, 100000, 1000000};
+    for (int i = 0; i < 3; i++) {
+        resets[i] = (bench_arg){.w = ARENA, .n = reset_n[i]};
+        snprintf(reset_names[i], sizeof reset_names[i], "frame/reset/arena/allocs:%u", reset_n[i]);
+        bench_register(reset_names[i], run_reset, &resets[i], 1);
+    }
+#else
+    (void)resets;
+    (void)reset_names;
+    (void)run_reset;
+#endif
+    return bench_main(argc, argv);
+}

@@ -1,0 +1,130 @@
+/* Frame-arena bugs that must not pass silently. A pointer kept past its frame (frame i's data
+ * used in frame i+N) is reported by the memory tool at its first use: under ASan in a forked
+ * child, with -Dvalgrind=true in a child re-executed under valgrind (ts_tool_reports); the
+ * same use one frame earlier (i+N-1, still valid) must not be. Debug builds: fatal misuse dies
+ * with a message naming the call and the arena. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "sp_frame.h"
+#include "test_support.h"
+#include "track.h"
+
+#ifndef SP_DEBUG
+#define SP_DEBUG 0
+#endif
+
+static volatile char sink;
+
+static sp_frame_arena *arena(uint32_t buffers, sp_frame_overflow mode, size_t region) {
+    return sp_frame_arena_create(
+        &(sp_frame_desc){.buffers = buffers, .region_size = region, .overflow = mode}, NULL);
+}
+
+/* Frame 0's block read in frame 2 (N = 2): its buffer was reclaimed at the start of frame 2. */
+static void stale_read(void) {
+    sp_frame_arena *a = arena(2, SP_FRAME_OVERFLOW_NULL, 0);
+    char *p = sp_frame_alloc(a, 100);
+    memset(p, 1, 100);
+    sp_frame_arena_advance(a, NULL);
+    sp_frame_alloc(a, 100);
+    sp_frame_arena_advance(a, NULL);
+    sink = p[10];
+}
+
+/* N = 3, a large (direct) block written in frame 3, after a new frame-3 block was carved from
+ * the same buffer (the new block is addressable; the stale one beyond it is not). */
+static void stale_write(void) {
+    sp_frame_arena *a = arena(3, SP_FRAME_OVERFLOW_NULL, 0);
+    char *p = sp_frame_alloc(a, 64 * 1024);
+    for (int i = 0; i < 3; i++) sp_frame_arena_advance(a, NULL);
+    char *q = sp_frame_alloc(a, 32);
+    q[0] = 1;
+    p[40000] = 1;
+}
+
+/* A heap-fallback block of frame 0 (HEAP mode, buffers of one chunk) used in frame 2: the
+ * block was freed to the C library at the reclaim. */
+static void stale_heap_block(void) {
+    sp_frame_arena *a = arena(2, SP_FRAME_OVERFLOW_HEAP, 128 * 1024);
+    char *p = sp_frame_alloc(a, 40000);
+    char *q = sp_frame_alloc(a, 40000); /* no room left: the heap */
+    memset(q, 1, 40000);
+    sink = (char)(sp_frame_arena_buffer_of(a, p) + 1);
+    sp_frame_arena_advance(a, NULL);
+    sp_frame_arena_advance(a, NULL);
+    sink = q[5];
+}
+
+/* Control: frame 0's block read in frame 1 (N = 2) is valid and must not be reported. */
+static void valid_read(void) {
+    sp_frame_arena *a = arena(2, SP_FRAME_OVERFLOW_NULL, 0);
+    char *p = sp_frame_alloc(a, 100);
+    memset(p, 1, 100);
+    sp_frame_arena_advance(a, NULL);
+    sp_frame_alloc(a, 100);
+    sink = p[99];
+    sp_frame_arena_destroy(a);
+}
+
+static const struct {
+    const char *name;
+    void (*run)(void);
+    const char *asan, *valgrind;
+} bugs[] = {
+    {"stale_read", stale_read, "use-after-poison", "Invalid read"},
+    {"stale_write", stale_write, "use-after-poison", "Invalid write"},
+    {"stale_heap_block", stale_heap_block, "heap-use-after-free", "Invalid read"},
+};
+
+static void bad_alignment(void *arg) {
+    sp_frame_aligned_alloc(arg, 24, 8);
+}
+
+static void bad_size(void *arg) {
+    sp_frame_alloc(arg, SIZE_MAX / 2 + 1);
+}
+
+int main(int argc, char **argv) {
+    if (argc == 3 && strcmp(argv[1], "--bug") == 0) { /* the child under valgrind */
+        for (size_t i = 0; i < sizeof bugs / sizeof bugs[0]; i++)
+            if (strcmp(argv[2], bugs[i].name) == 0) bugs[i].run();
+        if (strcmp(argv[2], "valid_read") == 0) valid_read();
+        return 0;
+    }
+    bool tool = TRACK_ASAN || TRACK_VALGRIND;
+    if (TRACK_VALGRIND && system("valgrind --version >/dev/null 2>&1") != 0) tool = false;
+    if (!tool && SP_DEBUG < 1) skip_all("release build without ASan or -Dvalgrind=true");
+    plan(6);
+    for (size_t i = 0; i < sizeof bugs / sizeof bugs[0]; i++) {
+        if (!tool) {
+            ok(1, "# SKIP %s: built without ASan or -Dvalgrind=true", bugs[i].name);
+            continue;
+        }
+        const char *kind = TRACK_ASAN ? bugs[i].asan : bugs[i].valgrind;
+        ok(ts_tool_reports(argv[0], bugs[i].run, bugs[i].name, kind), "%s is reported (%s)",
+           bugs[i].name, kind);
+    }
+    if (tool) {
+        /* Reported-or-not is decided by the tool's output: a valid read must give none. */
+        ok(!ts_tool_reports(argv[0], valid_read, "valid_read", TRACK_ASAN ? "" : "Invalid"),
+           "frame 0's block read in frame 1 of 2 is not reported");
+    } else {
+        ok(1, "# SKIP control: built without ASan or -Dvalgrind=true");
+    }
+    if (SP_DEBUG < 1) {
+        ok(1, "# SKIP fatal misuse: SP_DEBUG 0");
+        ok(1, "# SKIP fatal misuse: SP_DEBUG 0");
+        return done();
+    }
+    sp_frame_arena *a = arena(2, SP_FRAME_OVERFLOW_NULL, 0);
+    char addr[32];
+    snprintf(addr, sizeof addr, "%p", (void *)a);
+    ok(ts_dies(bad_alignment, a, "sp_frame_aligned_alloc", addr),
+       "debug: alignment 24 dies naming sp_frame_aligned_alloc and the arena");
+    ok(ts_dies(bad_size, a, "sp_frame_alloc", "SP_ERR_OVERFLOW"),
+       "debug: a size above PTRDIFF_MAX dies naming sp_frame_alloc and SP_ERR_OVERFLOW");
+    sp_frame_arena_destroy(a);
+    return done();
+}
