@@ -111,7 +111,8 @@ typedef struct sp_frame_stats {
     double handle_fragmentation;
     size_t persistent_bytes;
     uint64_t retired;         /* sp_retire calls during the frame */
-    uint32_t between_skipped; /* registered works not run: the budget was spent */
+    uint32_t between_skipped; /* works not run: the budget was spent (compaction also when
+                                 jobs of the caller's own counters were still running) */
 } sp_frame_stats;
 
 /* Figures of the runtime as a whole. */
