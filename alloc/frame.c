@@ -9,16 +9,23 @@
 #include "sp_internal.h"
 #include "track.h"
 
-/* A buffer's bump state is one 64-bit word, so that a chunk costs one atomic add that both
- * moves the offset and counts the chunk: offset in the low OFF_BITS, chunks taken above.
- * Invariants: offset <= capacity + (threads racing past the end) * chunk_size (a load checks
- * for room before every add), capacity <= MAX_CAPACITY and capacity / chunk_size < MAX_CHUNKS,
- * so neither field overflows into the other. */
-#define OFF_BITS 44
-#define OFF_MASK ((UINT64_C(1) << OFF_BITS) - 1)
-#define CHUNK_ONE (UINT64_C(1) << OFF_BITS)
+/* A buffer is cut into `chunks` equal chunks, claimed bottom-up, and direct ranges taken
+ * top-down. Its bump state is one 64-bit word: lo, the chunk index below which chunks may be
+ * claimed, in the low LO_BITS; hi, the byte offset where the direct ranges begin, above. A
+ * claimed chunk has its bit set in the buffer's bitmap: the bit decides who owns a chunk.
+ * A thread first asks for the chunk it had at the same place in its claim order N frames ago
+ * (memory its own core's cache last wrote: threads do not trade cache lines across frames),
+ * which raises lo past it; otherwise the bump hands out lo and moves it up, skipping chunks
+ * whose bit is set.
+ * Invariants: lo * chunk_size <= hi, except for fresh claims racing past the end (refused,
+ * and lo <= chunks + threads < 2^LO_BITS); every chunk handed out lies below lo; every direct
+ * range lies at or above hi. So chunks and direct ranges never overlap, and a chunk below lo
+ * that nobody claims this frame is lost until the reclaim (a thread that stopped using it). */
+#define LO_BITS 20
+#define LO_MASK ((UINT64_C(1) << LO_BITS) - 1)
 #define MAX_CAPACITY ((size_t)1 << 42)
 #define MAX_CHUNKS ((size_t)1 << 19)
+#define STICKY 8 /* chunks a thread remembers per arena slot and buffer */
 #define MIN_CHUNK ((size_t)1024)
 #define POISON_BYTE 0xFD
 
@@ -29,16 +36,15 @@ typedef struct heap_block {
 } heap_block;
 
 typedef struct frame_buffer {
-    _Alignas(64) uint64_t word; /* atomic: offset | chunks << OFF_BITS (see above) */
+    _Alignas(64) uint64_t word; /* atomic: lo | hi << LO_BITS (see above) */
     /* Written atomically by allocating threads, only when the buffer ran out. */
     _Alignas(64) heap_block *heap; /* Treiber stack, pushed by overflows, walked by reclaim */
     size_t overflows, overflow_bytes;
-    size_t lost_chunks; /* adds that went past the end: counted in word, never handed out */
     /* Owned by the advancing thread. */
     uint64_t frame;
     size_t peak;
-    size_t touched; /* largest offset ever used: what destroy hands back to the tools */
     char *base;
+    uint64_t *bits; /* atomic words, one bit per chunk: claimed this frame */
 } frame_buffer;
 
 struct sp_frame_arena {
@@ -47,6 +53,9 @@ struct sp_frame_arena {
     uint64_t frame;
     size_t capacity; /* bytes per buffer, page-aligned */
     size_t chunk_size;
+    size_t chunks;    /* per buffer: capacity / chunk_size */
+    size_t bit_words; /* per buffer */
+    uint64_t id;      /* unique across arenas: tags the threads' sticky lists */
     sp_frame_overflow overflow;
     void *(*heap_alloc)(void *user, size_t align, size_t size);
     void (*heap_free)(void *user, void *p);
@@ -60,6 +69,17 @@ _Static_assert(offsetof(struct sp_frame_arena, hot) == 0, "the inline paths read
 
 _Thread_local sp_frame_chunk sp_frame_tls[SP_FRAME_SLOTS]
     __attribute__((tls_model("initial-exec")));
+
+/* The chunks a thread claimed in one buffer of one arena slot, in claim order: replayed first
+ * when the buffer comes round (a steady frame loop gets its own memory back). */
+typedef struct sticky_list {
+    uint64_t arena; /* sp_frame_arena.id; another arena's list is dropped */
+    uint64_t gen;   /* frame generation the replay cursor belongs to */
+    uint32_t count, next;
+    uint32_t index[STICKY];
+} sticky_list;
+
+static _Thread_local sticky_list sticky_tls[SP_FRAME_SLOTS][SP_FRAME_MAX_BUFFERS];
 
 static uint64_t gen_last;    /* atomic: generations handed out (0 is never one) */
 static uint32_t arenas_made; /* atomic: slot of the next arena */
@@ -81,23 +101,67 @@ static void libc_free(void *user, void *p) {
 
 /* ---- allocation ------------------------------------------------------------------------ */
 
-static size_t word_offset(uint64_t w) {
-    return (size_t)(w & OFF_MASK);
+static size_t word_lo(uint64_t w) {
+    return (size_t)(w & LO_MASK);
+}
+static size_t word_hi(uint64_t w) {
+    return (size_t)(w >> LO_BITS);
 }
 
-/* Give the calling thread's chunk slot a fresh chunk of b. One atomic add (after a load that
- * refuses when there is no room, keeping the offset bounded). False: b has no room left. */
-static bool chunk_take(sp_frame_arena *a, frame_buffer *b, sp_frame_chunk *c) {
+/* Set chunk i's bit; true if it was clear (the chunk is ours). */
+static bool bit_claim(frame_buffer *b, size_t i) {
+    uint64_t m = UINT64_C(1) << (i & 63);
+    return !(__atomic_fetch_or(&b->bits[i >> 6], m, __ATOMIC_RELAXED) & m);
+}
+
+/* Chunk i again, if nobody claimed it this frame and no direct range covers it: a CAS that
+ * raises lo past it (a load when it is below lo already), then one atomic or. */
+static bool chunk_sticky(sp_frame_arena *a, frame_buffer *b, size_t i) {
     uint64_t w = __atomic_load_n(&b->word, __ATOMIC_RELAXED);
-    if (word_offset(w) + a->chunk_size > a->capacity) return false;
-    w = __atomic_fetch_add(&b->word, a->chunk_size + CHUNK_ONE, __ATOMIC_RELAXED);
-    size_t off = word_offset(w);
-    if (SP_UNLIKELY(off + a->chunk_size > a->capacity)) { /* another thread took the rest */
-        __atomic_fetch_add(&b->lost_chunks, 1, __ATOMIC_RELAXED);
-        return false;
+    while (word_lo(w) <= i) {
+        if ((i + 1) * a->chunk_size > word_hi(w)) return false; /* a direct range took it */
+        uint64_t nw = (w & ~LO_MASK) | (uint64_t)(i + 1);
+        if (__atomic_compare_exchange_n(&b->word, &w, nw, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+            break;
+    }
+    return bit_claim(b, i);
+}
+
+/* The next chunk of the bump that nobody claimed: one atomic add and one atomic or (more
+ * when a sticky claim got there first). A load first refuses when there is no room, which
+ * keeps lo bounded. */
+static bool chunk_fresh(sp_frame_arena *a, frame_buffer *b, size_t *out) {
+    for (;;) {
+        uint64_t w = __atomic_load_n(&b->word, __ATOMIC_RELAXED);
+        if ((word_lo(w) + 1) * a->chunk_size > word_hi(w)) return false;
+        w = __atomic_fetch_add(&b->word, 1, __ATOMIC_RELAXED);
+        size_t i = word_lo(w);
+        if ((i + 1) * a->chunk_size > word_hi(w)) return false; /* another thread took the rest */
+        if (bit_claim(b, i)) {
+            *out = i;
+            return true;
+        }
+    }
+}
+
+/* Give the calling thread's chunk slot a chunk of b: the one it had at the same place in its
+ * claim order N frames ago if still free, else a fresh one. False: b has no room left. */
+static bool chunk_take(sp_frame_arena *a, frame_buffer *b, sp_frame_chunk *c) {
+    sticky_list *l = &sticky_tls[a->hot.slot][a->current];
+    if (l->arena != a->id) *l = (sticky_list){.arena = a->id};
+    if (l->gen != a->hot.gen) {
+        l->gen = a->hot.gen;
+        l->next = 0;
+    }
+    size_t i = 0;
+    bool again = l->next < l->count && chunk_sticky(a, b, i = l->index[l->next]);
+    if (!again && !chunk_fresh(a, b, &i)) return false;
+    if (l->next < STICKY) {
+        l->index[l->next++] = (uint32_t)i;
+        if (l->next > l->count) l->count = l->next;
     }
     c->gen = a->hot.gen;
-    c->cur = b->base + off;
+    c->cur = b->base + i * a->chunk_size;
     c->end = c->cur + a->chunk_size;
     return true;
 }
@@ -111,20 +175,20 @@ static void *chunk_bump(sp_frame_chunk *c, size_t align, size_t size) {
     return (void *)p;
 }
 
-/* A range of its own in b for a request (large, or too large for a fresh chunk): a CAS loop
- * on the offset, exact (no chunk tail is lost). NULL: it does not fit. */
+/* A range of its own in b for a request (large, or too large for a fresh chunk), taken from
+ * the top down, never below lo: a CAS loop on hi, exact (no chunk tail is lost). NULL: it
+ * does not fit. */
 static void *direct_take(sp_frame_arena *a, frame_buffer *b, size_t align, size_t size) {
     if (align > a->capacity || size > a->capacity) return NULL;
     size_t n = sp_align_up(size, 16);
     uint64_t w = __atomic_load_n(&b->word, __ATOMIC_RELAXED);
     for (;;) {
-        size_t off = word_offset(w);
-        if (off >= a->capacity) return NULL;
-        uintptr_t p = sp_align_up((uintptr_t)b->base + off, align);
-        size_t end = (size_t)(p - (uintptr_t)b->base) + n;
-        if (end > a->capacity) return NULL;
-        if (__atomic_compare_exchange_n(&b->word, &w, (w & ~OFF_MASK) | end, true, __ATOMIC_RELAXED,
-                                        __ATOMIC_RELAXED))
+        size_t lo = word_lo(w), hi = word_hi(w);
+        if (n > hi) return NULL;
+        uintptr_t p = sp_align_down((uintptr_t)b->base + hi - n, align);
+        if (p < (uintptr_t)b->base + lo * a->chunk_size) return NULL;
+        uint64_t nw = (uint64_t)lo | (uint64_t)(p - (uintptr_t)b->base) << LO_BITS;
+        if (__atomic_compare_exchange_n(&b->word, &w, nw, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
             return (void *)p;
     }
 }
@@ -186,9 +250,18 @@ void *sp_frame_alloc_generic(sp_frame_arena *a, size_t align, size_t size) {
 
 /* ---- frames ------------------------------------------------------------------------------ */
 
+static size_t chunks_claimed(const sp_frame_arena *a, const frame_buffer *b) {
+    size_t n = 0;
+    for (size_t k = 0; k < a->bit_words; k++)
+        n += (size_t)__builtin_popcountll(__atomic_load_n(&b->bits[k], __ATOMIC_RELAXED));
+    return n;
+}
+
+/* Bytes of b in use: claimed chunks, and everything from hi up (direct ranges, and ranges
+ * given up to a conflict). Cost: O(chunks / 64). */
 static size_t buffer_used(const sp_frame_arena *a, const frame_buffer *b) {
-    size_t off = word_offset(__atomic_load_n(&b->word, __ATOMIC_RELAXED));
-    return off < a->capacity ? off : a->capacity;
+    size_t hi = word_hi(__atomic_load_n(&b->word, __ATOMIC_RELAXED));
+    return chunks_claimed(a, b) * a->chunk_size + (a->capacity - hi);
 }
 
 static void heap_list_free(sp_frame_arena *a, frame_buffer *b) {
@@ -200,33 +273,57 @@ static void heap_list_free(sp_frame_arena *a, frame_buffer *b) {
     }
 }
 
-/* Everything b held goes: heap blocks freed, debug fill or tool poisoning of the used part
- * (O(used), debug and tool builds only), offset and counters back to 0 (O(1)). */
-static void buffer_reclaim(sp_frame_arena *a, frame_buffer *b) {
-    size_t used = buffer_used(a, b);
-    heap_list_free(a, b);
+#if TRACK_ASAN || TRACK_VALGRIND || SP_DEBUG >= 1
+/* Each claimed chunk of b and the direct part [hi, capacity): fill (plain debug builds) or
+ * hand back to the tools as the allocator's (ASan, Valgrind), so that a pointer kept past
+ * the reclaim is caught at its first use. */
+static void buffer_poison(const sp_frame_arena *a, frame_buffer *b) {
+    size_t hi = word_hi(__atomic_load_n(&b->word, __ATOMIC_RELAXED));
+    for (size_t k = 0; k < a->bit_words; k++) {
+        for (uint64_t m = __atomic_load_n(&b->bits[k], __ATOMIC_RELAXED); m; m &= m - 1) {
+            size_t i = k * 64 + (size_t)__builtin_ctzll(m);
+            char *c = b->base + i * a->chunk_size;
 #if TRACK_ASAN || TRACK_VALGRIND
-    track_pool(b->base, used);
+            track_pool(c, a->chunk_size);
 #elif SP_DEBUG >= 1
-    memset(b->base, POISON_BYTE, used);
+            memset(c, POISON_BYTE, a->chunk_size);
+#else
+            (void)c;
 #endif
-    if (used > b->touched) b->touched = used;
-    __atomic_store_n(&b->word, 0, __ATOMIC_RELAXED);
+        }
+    }
+    if (hi < a->capacity) {
+#if TRACK_ASAN || TRACK_VALGRIND
+        track_pool(b->base + hi, a->capacity - hi);
+#elif SP_DEBUG >= 1
+        memset(b->base + hi, POISON_BYTE, a->capacity - hi);
+#endif
+    }
+}
+#endif
+
+/* Everything b held goes: heap blocks freed, the used part poisoned in debug and tool builds
+ * (O(used)), the bitmap cleared (O(chunks / 64): a few words; not O(allocations)) and the
+ * bump state reset. */
+static void buffer_reclaim(sp_frame_arena *a, frame_buffer *b) {
+    heap_list_free(a, b);
+#if TRACK_ASAN || TRACK_VALGRIND || SP_DEBUG >= 1
+    buffer_poison(a, b);
+#endif
+    for (size_t k = 0; k < a->bit_words; k++) __atomic_store_n(&b->bits[k], 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&b->word, (uint64_t)a->capacity << LO_BITS, __ATOMIC_RELAXED);
     __atomic_store_n(&b->overflows, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&b->overflow_bytes, 0, __ATOMIC_RELAXED);
-    __atomic_store_n(&b->lost_chunks, 0, __ATOMIC_RELAXED);
 }
 
 static void status_fill(const sp_frame_arena *a, uint32_t i, sp_frame_buffer_status *out) {
     const frame_buffer *b = &a->buf[i];
-    uint64_t w = __atomic_load_n(&b->word, __ATOMIC_RELAXED);
-    size_t off = word_offset(w), used = off < a->capacity ? off : a->capacity;
-    size_t lost = __atomic_load_n(&b->lost_chunks, __ATOMIC_RELAXED);
+    size_t used = buffer_used(a, b);
     *out = (sp_frame_buffer_status){
         .frame = b->frame,
         .bytes_used = used,
         .peak = used > b->peak ? used : b->peak,
-        .chunks = (size_t)(w >> OFF_BITS) - lost,
+        .chunks = chunks_claimed(a, b),
         .overflows = __atomic_load_n(&b->overflows, __ATOMIC_RELAXED),
         .overflow_bytes = __atomic_load_n(&b->overflow_bytes, __ATOMIC_RELAXED),
         .capacity = a->capacity,
@@ -309,22 +406,31 @@ sp_frame_arena *sp_frame_arena_create(const sp_frame_desc *desc, sp_result *err)
                                           "%zu bytes make %u buffers of %zu bytes, below one "
                                           "chunk of %zu",
                                           size, n, capacity, chunk));
+    size_t chunks = capacity / chunk, bit_words = (chunks + 63) / 64;
     sp_frame_arena *a = aligned_alloc(64, sizeof *a);
-    if (!a) return create_fail(err, SP_ERR_NOMEM);
+    uint64_t *bits = calloc((size_t)n * bit_words, sizeof *bits);
+    if (!a || !bits) {
+        free(a);
+        free(bits);
+        return create_fail(err, SP_ERR_NOMEM);
+    }
     memset(a, 0, sizeof *a);
     a->own = d.region == NULL;
     a->committed = a->own ? capacity * n : sp_align_down(size, page);
     a->region = a->own ? sp_vm_reserve(a->committed, 0, false, NULL) : d.region;
     if (!a->region) {
         free(a);
+        free(bits);
         return create_fail(err, SP_ERR_OS);
     }
     sp_result r = sp_vm_commit(a->region, a->committed);
     if (r != SP_OK) {
         if (a->own) sp_vm_release(a->region, a->committed);
         free(a);
+        free(bits);
         return create_fail(err, r);
     }
+    a->id = gen_take();
     a->hot.gen = gen_take();
     a->hot.slot = __atomic_fetch_add(&arenas_made, 1, __ATOMIC_RELAXED) % SP_FRAME_SLOTS;
     a->hot.small_max = chunk / 4;
@@ -335,7 +441,13 @@ sp_frame_arena *sp_frame_arena_create(const sp_frame_desc *desc, sp_result *err)
     a->heap_alloc = d.heap_alloc ? d.heap_alloc : libc_alloc;
     a->heap_free = d.heap_free ? d.heap_free : libc_free;
     a->heap_user = d.heap_user;
-    for (uint32_t i = 0; i < n; i++) a->buf[i].base = a->region + (size_t)i * capacity;
+    a->chunks = chunks;
+    a->bit_words = bit_words;
+    for (uint32_t i = 0; i < n; i++) {
+        a->buf[i].base = a->region + (size_t)i * capacity;
+        a->buf[i].bits = bits + (size_t)i * bit_words;
+        a->buf[i].word = (uint64_t)capacity << LO_BITS;
+    }
     if (err) *err = SP_OK;
     return a;
 }
@@ -345,12 +457,12 @@ void sp_frame_arena_destroy(sp_frame_arena *a) {
     for (uint32_t i = 0; i < a->buffers; i++) {
         frame_buffer *b = &a->buf[i];
         heap_list_free(a, b);
-        size_t used = buffer_used(a, b);
-        track_release(b->base, used > b->touched ? used : b->touched);
+        track_release(b->base, a->capacity); /* tool builds: plain memory again */
     }
     if (a->own)
         sp_vm_release(a->region, a->committed);
     else
         sp_vm_decommit(a->region, a->committed);
+    free(a->buf[0].bits);
     free(a);
 }

@@ -6,9 +6,14 @@
  * and that buffer comes round again. There is no per-block free.
  *
  * Allocation: each thread bump-allocates from a private chunk (chunk_size bytes, 64 KiB by
- * default) of the current buffer; taking a chunk is one atomic add on the buffer's offset.
- * Requests above chunk_size / 4 (or aligned above it) take their own range of the buffer (an
- * atomic compare-exchange). The calling thread's chunk is found on every call through a fresh
+ * default) of the current buffer. Chunks are handed out from the bottom of the buffer: a
+ * thread first gets back the chunk it had at the same place in its order of claims N frames
+ * ago, if nobody took it yet (one compare-exchange and one atomic or), so in a steady frame
+ * loop each thread writes memory its own core wrote last (threads that traded chunks between
+ * frames measured several times slower: bench/README.md, frame); otherwise it takes the next
+ * free chunk (one atomic add and one atomic or). Requests above chunk_size / 4 (or aligned
+ * above it), and the last bytes of a full buffer, take their own range from the top down (a
+ * compare-exchange loop). The calling thread's chunk is found on every call through a fresh
  * thread-pointer read (SP_TLS_FRESH, as the thread caches do), never from an address kept
  * across a call: a job that waits and resumes on another worker allocates from that worker's
  * chunk. A chunk is valid only while its generation matches the arena's; generations come
@@ -96,9 +101,11 @@ typedef struct sp_frame_desc {
 
 typedef struct sp_frame_buffer_status {
     uint64_t frame;        /* frame number last (or currently) using this buffer */
-    size_t bytes_used;     /* the buffer's bump offset this frame: chunks taken whole (their
-                              unused tails included), direct requests and their alignment
-                              padding; heap-fallback blocks not included. 0 after reclaim */
+    size_t bytes_used;     /* taken from the buffer this frame: chunks taken whole (their
+                              unused tails included), plus the direct part (requests and
+                              their alignment padding); heap-fallback blocks not included, nor
+                              chunks skipped because their owner of N frames ago did not
+                              come back for them. 0 after reclaim */
     size_t peak;           /* largest bytes_used over the buffer's frames so far */
     size_t chunks;         /* chunks taken this frame */
     size_t overflows;      /* requests this frame that did not fit (served by the heap or
@@ -126,15 +133,17 @@ void sp_frame_arena_destroy(sp_frame_arena *a);
  * void *sp_frame_aligned_alloc(sp_frame_arena *a, size_t align, size_t size)
  *   the same with any power-of-two alignment (the block's end is padded to 16).
  * Cost: inline, a thread-pointer read, a compare and a bump (~1 ns); the out-of-line rest
- * (sp_frame_alloc_generic) takes a new chunk (one atomic add) or a direct range (a CAS loop).
+ * (sp_frame_alloc_generic) takes a chunk (two atomics) or a direct range (a CAS loop).
  * Returns NULL when the buffer is exhausted in SP_FRAME_OVERFLOW_NULL mode or the heap fallback
  * fails (both counted, see above); misuse (NULL + report): align not a power of two
  * (SP_ERR_BAD_ALIGNMENT), size above PTRDIFF_MAX (SP_ERR_OVERFLOW). `a` must be a live arena
  * (the inline path reads it before any check). */
 
-/* Close the current frame, start the next one, reclaim its buffer: the bump offset goes back
- * to 0, the heap-fallback blocks of that buffer are freed (O(their count)), debug builds fill
- * or poison the used part (O(bytes used)); release builds O(1). Fills *closed (if not NULL)
+/* Close the current frame, start the next one, reclaim its buffer: the bump state goes back
+ * to empty and the chunk bitmap is cleared (one word per 64 chunks: 16 words for a 64 MiB
+ * buffer of 64 KiB chunks, whatever the number of allocations), the heap-fallback blocks of
+ * that buffer are freed (O(their count)), debug builds fill or poison the used part (O(bytes
+ * used)). Fills *closed (if not NULL)
  * with the closing frame's buffer status. Returns the new frame number (frame 0 is the first).
  * See the concurrency table: no allocation from this arena may run during the call. */
 uint64_t sp_frame_arena_advance(sp_frame_arena *a, sp_frame_buffer_status *closed);

@@ -3,6 +3,7 @@
  * buffer_of, an alignment sweep, chunk boundaries, large requests, overflow in both modes
  * (heap blocks freed exactly once, at reclaim), status figures, given regions, chunk slots,
  * misuse reports, the debug fill, and jobs that wait and resume on another worker. */
+#include <pthread.h>
 #include <stdatomic.h>
 #include <string.h>
 
@@ -52,7 +53,7 @@ static void test_lifetime(uint32_t nbuf) {
     for (uint64_t f = 0; f < LIFE_FRAMES; f++) {
         bad_frame += sp_frame_arena_frame(a) != f;
         for (size_t i = 0; i < LIFE_BLOCKS; i++) {
-            size_t n = (size_t)ts_rng_range(&rng, 1, i % 50 == 0 ? 3000 : 200);
+            size_t n = (size_t)ts_rng_range(&rng, 1, i % 50 == 49 ? 3000 : 200);
             uint8_t *p = sp_frame_alloc(a, n);
             if (!p) {
                 bad_fill++;
@@ -63,7 +64,8 @@ static void test_lifetime(uint32_t nbuf) {
             kept[f][i] = (life_block){p, n};
             bad_buffer += sp_frame_arena_buffer_of(a, p) != (int)(f % nbuf);
         }
-        if (f >= nbuf) bad_reuse += first[f] != first[f - nbuf]; /* same buffer, offset 0 */
+        /* Same buffer, and the same chunk: the thread gets its chunk of N frames ago back. */
+        if (f >= nbuf) bad_reuse += first[f] != first[f - nbuf];
         /* Every frame still alive (f-N+1 .. f) holds its data. */
         for (uint64_t g = f + 1 > nbuf ? f + 1 - nbuf : 0; g <= f; g++)
             for (size_t i = 0; i < LIFE_BLOCKS; i++)
@@ -76,7 +78,7 @@ static void test_lifetime(uint32_t nbuf) {
        "N=%u: frame i allocates from buffer i mod N, its data intact through frame i+N-1 "
        "(%d frames; bad fill %d, buffer %d, frame numbers %d)",
        nbuf, LIFE_FRAMES, bad_fill, bad_buffer, bad_frame);
-    ok(bad_reuse == 0, "N=%u: the buffer comes round again at frame i+N from its start (bad %d)",
+    ok(bad_reuse == 0, "N=%u: frame i+N reuses frame i's memory, the same chunk first (bad %d)",
        nbuf, bad_reuse);
     sp_frame_arena_destroy(a);
 }
@@ -123,29 +125,31 @@ static void test_chunks(void) {
        "64 blocks of 16 B fill a 1 KiB chunk back to back, the 65th takes the next chunk "
        "(chunks %zu, bytes_used %zu)",
        st.chunks, st.bytes_used);
-    /* 1008 B left in chunk 2: 256 (small_max) fits; 257 goes direct. */
+    /* 1008 B left in chunk 2: 256 (small_max) fits; 257 goes direct, from the top down. */
+    const size_t cap = (size_t)1 << 19;
     char *q = sp_frame_alloc(a, 256);
     char *r = sp_frame_alloc(a, 257);
     sp_frame_buffer_status_get(a, 0, &st);
-    ok(q == p[64] + 16 && r == p[0] + 2048 && st.chunks == 2 && st.bytes_used == 2048 + 272,
-       "256 B (chunk/4) comes from the chunk, 257 B is direct at the buffer's offset, padded to "
+    ok(q == p[64] + 16 && r == p[0] + cap - 272 && st.chunks == 2 && st.bytes_used == 2048 + 272,
+       "256 B (chunk/4) comes from the chunk, 257 B is direct at the buffer's top, padded to "
        "16 (chunks %zu, bytes_used %zu)",
        st.chunks, st.bytes_used);
     /* A request that does not fit the rest of the chunk takes a new one; the tail is lost. */
     for (int i = 0; i < 40; i++) sp_frame_alloc(a, 16); /* chunk 2: 16 + 256 + 640 used */
     char *t = sp_frame_alloc(a, 200);                   /* 112 left: new chunk */
     sp_frame_buffer_status_get(a, 0, &st);
-    ok(t == p[0] + 2048 + 272 && st.chunks == 3 && st.bytes_used == 3 * 1024 + 272,
-       "a request larger than the chunk's rest takes a fresh chunk after the direct block "
-       "(chunks %zu, bytes_used %zu)",
+    ok(t == p[0] + 2048 && st.chunks == 3 && st.bytes_used == 3 * 1024 + 272,
+       "a request larger than the chunk's rest takes the next chunk (chunks %zu, bytes_used "
+       "%zu)",
        st.chunks, st.bytes_used);
     /* Large requests: direct, exact, aligned. */
     char *big = sp_frame_aligned_alloc(a, 4096, 100000);
     sp_frame_buffer_status_get(a, 0, &st);
     size_t off = (size_t)(big - p[0]);
-    ok(big && ((uintptr_t)big & 4095) == 0 && off >= 3 * 1024 + 272 &&
-           st.bytes_used == off + 100000 + 0 /* 100000 is a multiple of 16 */,
-       "100000 B aligned to 4 KiB is direct at the next 4 KiB boundary (bytes_used %zu)",
+    ok(big && ((uintptr_t)big & 4095) == 0 && off + 100000 <= cap - 272 &&
+           off + 100000 + 4096 > cap - 272 && st.bytes_used == 3 * 1024 + (cap - off),
+       "100000 B aligned to 4 KiB is direct, just below the first direct block at a 4 KiB "
+       "boundary (bytes_used %zu)",
        st.bytes_used);
     memset(big, 7, 100000);
     sp_frame_buffer_status closed;
@@ -542,8 +546,74 @@ static void test_migration(void) {
     sp_frame_arena_destroy(mig_arena);
 }
 
+/* ---- sticky chunks ------------------------------------------------------------------------ */
+
+/* Chunks come back to the thread that had them N frames ago, whichever thread asks first;
+ * direct ranges and sticky chunks never overlap, whichever comes first. */
+static sp_frame_arena *sticky_arena;
+static pthread_barrier_t sticky_bar;
+static char *sticky_got[2][2]; /* [thread][frame 0 / frame 2] */
+
+static void *sticky_thread(void *arg) {
+    int me = (int)(intptr_t)arg;
+    for (int round = 0; round < 2; round++) {
+        /* Frame 0: thread 0 first; frame 2: thread 1 first. */
+        int first = round == 0 ? 0 : 1;
+        if (me != first) pthread_barrier_wait(&sticky_bar);
+        sticky_got[me][round] = sp_frame_alloc(sticky_arena, 16);
+        if (me == first) pthread_barrier_wait(&sticky_bar);
+        pthread_barrier_wait(&sticky_bar); /* main advances twice */
+        pthread_barrier_wait(&sticky_bar);
+    }
+    return NULL;
+}
+
+static void test_sticky(void) {
+    sticky_arena = make(2, 1u << 20, 1024, SP_FRAME_OVERFLOW_NULL);
+    pthread_barrier_init(&sticky_bar, NULL, 3);
+    pthread_t t[2];
+    for (int i = 0; i < 2; i++) pthread_create(&t[i], NULL, sticky_thread, (void *)(intptr_t)i);
+    for (int round = 0; round < 2; round++) {
+        pthread_barrier_wait(&sticky_bar);
+        pthread_barrier_wait(&sticky_bar);
+        sp_frame_arena_advance(sticky_arena, NULL);
+        sp_frame_arena_advance(sticky_arena, NULL);
+        pthread_barrier_wait(&sticky_bar);
+    }
+    for (int i = 0; i < 2; i++) pthread_join(t[i], NULL);
+    pthread_barrier_destroy(&sticky_bar);
+    ok(sticky_got[0][0] && sticky_got[1][0] && sticky_got[0][0] != sticky_got[1][0] &&
+           sticky_got[0][1] == sticky_got[0][0] && sticky_got[1][1] == sticky_got[1][0],
+       "two threads get their own chunks back N frames later, in the other order");
+    sp_frame_arena_destroy(sticky_arena);
+
+    sp_frame_arena *a = make(2, 1u << 20, 1024, SP_FRAME_OVERFLOW_NULL);
+    const size_t cap = (size_t)1 << 19;
+    char *c0 = sp_frame_alloc(a, 16); /* chunk 0 */
+    sp_frame_arena_advance(a, NULL);
+    sp_frame_arena_advance(a, NULL);
+    ts_log_capture();
+    char *d = sp_frame_alloc(a, cap - 512); /* direct first: [512, cap) */
+    char *x = sp_frame_alloc(a, 16);        /* chunk 0 would overlap it: the last bytes below it */
+    sp_frame_buffer_status st;
+    sp_frame_buffer_status_get(a, 0, &st);
+    ok(d == c0 + 512 && x == d - 16 && st.chunks == 0 && st.overflows == 0,
+       "a direct range first: the thread's old chunk under it is not handed out (16 B come "
+       "from the bytes below the range)");
+    sp_frame_arena_advance(a, NULL);
+    sp_frame_arena_advance(a, NULL);
+    x = sp_frame_alloc(a, 16); /* the old chunk first */
+    char *d1 = sp_frame_alloc(a, cap - 512);
+    char *d2 = sp_frame_alloc(a, cap - 1024);
+    ts_log_release();
+    ok(x == c0 && d1 == NULL && d2 == c0 + 1024,
+       "the old chunk first: a direct range stays above it (%p %p %p)", (void *)x, (void *)d1,
+       (void *)d2);
+    sp_frame_arena_destroy(a);
+}
+
 int main(void) {
-    plan(40);
+    plan(43);
     for (uint32_t n = 1; n <= 4; n++) test_lifetime(n);
     test_alignment();
     test_chunks();
@@ -553,6 +623,7 @@ int main(void) {
     test_given_region(false);
     test_given_region(true);
     test_slots();
+    test_sticky();
     test_misuse();
     test_debug_fill();
     test_migration();
