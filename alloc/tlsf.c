@@ -70,6 +70,7 @@ struct sp_tlsf {
     uint32_t fl_bitmap;
     uint32_t sl_bitmap[FL_COUNT];
     block *heads[FL_COUNT][SL_COUNT];
+    block scratch; /* takes the back link pushed onto an empty list */
 
     /* status, kept exact on every operation; bytes_free is derived (heap_bytes_free) */
     size_t bytes_used, live_blocks, free_blocks, high_water, bytes_total;
@@ -166,16 +167,16 @@ TRACK_INTERNAL SP_INLINE size_t adjust_size(size_t size) {
  * its list iff heads[fl][sl] points at it. The lists keep free_blocks; bytes_free is derived
  * (heap_bytes_free), so no list operation pays for it. */
 
-/* Push the free block b onto list (fl, sl), its class. */
+/* Push the free block b onto list (fl, sl), its class. Branch-free: whether the list was
+ * empty is a coin toss, so the old head's back link goes to t->scratch when there is none and
+ * the bitmap bits are set whether or not they were. */
 TRACK_INTERNAL SP_INLINE void list_push(sp_tlsf *t, block *b, unsigned fl, unsigned sl) {
     block *head = t->heads[fl][sl];
     b->next_free = head;
-    if (head) head->prev_free = b;
+    (head ? head : &t->scratch)->prev_free = b;
     t->heads[fl][sl] = b;
-    if (!head) {
-        t->fl_bitmap |= 1u << fl;
-        t->sl_bitmap[fl] |= 1u << sl;
-    }
+    t->fl_bitmap |= 1u << fl;
+    t->sl_bitmap[fl] |= 1u << sl;
     t->free_blocks++;
 }
 
@@ -214,24 +215,17 @@ TRACK_INTERNAL SP_INLINE void list_remove(sp_tlsf *t, block *b) {
     list_unlink(t, b, fl, sl);
 }
 
-/* The listed free block b, of class (fl, sl), takes a new size. It changes lists only if its
- * class changes: growing a large free block by a merge, or carving an allocation off its end,
- * often touches no list at all. */
-TRACK_INTERNAL SP_INLINE void list_resize_from(sp_tlsf *t, block *b, unsigned fl, unsigned sl,
-                                               size_t size) {
-    unsigned nfl, nsl;
+/* The listed free block b takes a new size. It changes lists only if its class changes:
+ * growing a large free block by a merge often touches no list at all. */
+TRACK_INTERNAL SP_INLINE void list_resize(sp_tlsf *t, block *b, size_t size) {
+    unsigned fl, sl, nfl, nsl;
+    mapping_insert(block_size(b), &fl, &sl);
     mapping_insert(size, &nfl, &nsl);
     if (fl != nfl || sl != nsl) {
         list_unlink(t, b, fl, sl);
         list_push(t, b, nfl, nsl);
     }
     block_set_size(b, size);
-}
-
-TRACK_INTERNAL SP_INLINE void list_resize(sp_tlsf *t, block *b, size_t size) {
-    unsigned fl, sl;
-    mapping_insert(block_size(b), &fl, &sl);
-    list_resize_from(t, b, fl, sl, size);
 }
 
 /* A free block with payload >= size, or NULL; it is the head of list (*fl, *sl). Two bit
@@ -512,7 +506,13 @@ sp_result sp_tlsf_add_pool(sp_tlsf *t, void *memory, size_t size) {
 TRACK_INTERNAL SP_INLINE void *block_carve_tail(sp_tlsf *t, block *b, unsigned fl, unsigned sl,
                                                 size_t want) {
     size_t rest = block_size(b) - want - HEADER;
-    list_resize_from(t, b, fl, sl, rest);
+    unsigned rfl, rsl;
+    mapping_insert(rest, &rfl, &rsl);
+    if (rfl != fl || rsl != sl) {
+        list_pop(t, b, fl, sl);
+        list_push(t, b, rfl, rsl);
+    }
+    block_set_size(b, rest);
     block *a = block_next(b);
     block_init(t, a, link_to(b, true), want, 0);
     block_link_next(a, false);
