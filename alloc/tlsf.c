@@ -1,18 +1,22 @@
 /* The central heap: two-level segregated fit over caller-provided pools (see sp_tlsf.h).
  *
  * Every block starts with a 16-byte header; the payload follows. Physical neighbours are
- * found through the size (next) and the always-valid prev_phys pointer (previous); free
+ * found through the size (next) and the always-valid prev_link pointer (previous); free
  * blocks also sit on a doubly linked list per size class, the links stored in their payload.
  * Two bitmaps say which lists are non-empty, so finding a fitting block is two bit scans.
  *
  *   pool:  [hdr|payload][hdr|payload] ... [hdr|payload][sentinel hdr]
- *   hdr:   prev_phys | tag:16 size:44 flags:4
+ *   hdr:   prev_link (predecessor | PREV_FREE) | tag:16 size:44 flags:4 (FREE)
  *
  * malloc carves from the tail of the free block it finds, so that block keeps its header and,
  * unless its size class changes, its place in its list. Lists are LIFO; only non-head entries
  * keep a valid back link, so popping a head never touches its successor. (A variant that
  * mirrored each neighbour's state in every header, trading the successor's header load for
  * blind stores, measured 8-10% slower on the tlsf benchmarks: see bench/README.md.)
+ *
+ * A block's PREV_FREE flag lives in the low bit of its prev_link, not in its size word, so a
+ * block that changes state tells its successor with one blind store of the whole link: malloc
+ * never loads the successor's header, and free does not load the header after a merged one.
  */
 #include "sp_tlsf.h"
 
@@ -40,7 +44,7 @@ enum {
 };
 
 #define FLAG_FREE ((uint64_t)1)
-#define FLAG_PREV_FREE ((uint64_t)2)
+#define FLAG_PREV_FREE ((uintptr_t)1) /* in prev_link */
 #define SIZE_MASK ((((uint64_t)1 << 48) - 1) & ~(uint64_t)(ALIGN - 1))
 #define TAG_MASK (~(((uint64_t)1 << 48) - 1))
 #define DEAD_MARK ((uint64_t)0xDEAD << 48)
@@ -51,7 +55,7 @@ _Static_assert(SP_TLSF_MAX_BLOCK < ((size_t)1 << 40), "largest block must map be
 
 typedef struct block block;
 struct block {
-    block *prev_phys;    /* physical predecessor in the pool; NULL for a pool's first block */
+    uintptr_t prev_link; /* physical predecessor (NULL for a pool's first block) | PREV_FREE */
     uint64_t size_flags; /* tag | payload size | FLAG_* */
     /* payload; while the block is free it starts with: */
     block *next_free;
@@ -66,9 +70,10 @@ struct sp_tlsf {
     uint32_t fl_bitmap;
     uint32_t sl_bitmap[FL_COUNT];
     block *heads[FL_COUNT][SL_COUNT];
+    block scratch; /* takes the back link pushed onto an empty list */
 
-    /* status, kept exact on every operation */
-    size_t bytes_used, bytes_free, live_blocks, free_blocks, high_water, bytes_total;
+    /* status, kept exact on every operation; bytes_free is derived (heap_bytes_free) */
+    size_t bytes_used, live_blocks, free_blocks, high_water, bytes_total;
 
     uint64_t secret; /* per-heap salt of the header tags */
     size_t pool_count;
@@ -79,8 +84,8 @@ struct sp_tlsf {
 };
 
 /* ---- headers ------------------------------------------------------------------------------
- * Invariants: a header's tag is tag_of(its address); prev_phys is valid for every block;
- * FLAG_PREV_FREE mirrors the predecessor's FLAG_FREE; no two free blocks are neighbours. */
+ * Invariants: a header's tag is tag_of(its address); prev_link is valid for every block;
+ * its FLAG_PREV_FREE mirrors the predecessor's FLAG_FREE; no two free blocks are neighbours. */
 
 TRACK_INTERNAL SP_INLINE uint64_t tag_of(const sp_tlsf *t, const block *b) {
     return (((uint64_t)(uintptr_t)b ^ t->secret) * 0x9E3779B97F4A7C15ull) & TAG_MASK;
@@ -92,7 +97,10 @@ TRACK_INTERNAL SP_INLINE bool block_is_free(const block *b) {
     return b->size_flags & FLAG_FREE;
 }
 TRACK_INTERNAL SP_INLINE bool block_prev_is_free(const block *b) {
-    return b->size_flags & FLAG_PREV_FREE;
+    return b->prev_link & FLAG_PREV_FREE;
+}
+TRACK_INTERNAL SP_INLINE block *block_prev(const block *b) {
+    return (block *)(b->prev_link & ~FLAG_PREV_FREE);
 }
 TRACK_INTERNAL SP_INLINE void *block_payload(const block *b) {
     return (char *)b + HEADER;
@@ -106,9 +114,13 @@ TRACK_INTERNAL SP_INLINE block *block_next(const block *b) {
 TRACK_INTERNAL SP_INLINE void block_set_size(block *b, size_t size) {
     b->size_flags = (b->size_flags & ~SIZE_MASK) | size;
 }
-TRACK_INTERNAL SP_INLINE void block_init(const sp_tlsf *t, block *b, block *prev, size_t size,
-                                         uint64_t flags) {
-    b->prev_phys = prev;
+/* The prev_link of a block whose predecessor is prev. */
+TRACK_INTERNAL SP_INLINE uintptr_t link_to(const block *prev, bool prev_free) {
+    return (uintptr_t)prev | (prev_free ? FLAG_PREV_FREE : 0);
+}
+TRACK_INTERNAL SP_INLINE void block_init(const sp_tlsf *t, block *b, uintptr_t prev_link,
+                                         size_t size, uint64_t flags) {
+    b->prev_link = prev_link;
     b->size_flags = tag_of(t, b) | size | flags;
 }
 /* A header swallowed by a merge: marked so a later free of its payload reads as double free. */
@@ -117,9 +129,7 @@ TRACK_INTERNAL SP_INLINE void block_kill(const sp_tlsf *t, block *b) {
 }
 /* Tell the successor of b that b is now free (or not), and who its predecessor is. */
 TRACK_INTERNAL SP_INLINE void block_link_next(block *b, bool b_free) {
-    block *next = block_next(b);
-    next->prev_phys = b;
-    next->size_flags = (next->size_flags & ~FLAG_PREV_FREE) | (b_free ? FLAG_PREV_FREE : 0);
+    block_next(b)->prev_link = link_to(b, b_free);
 }
 
 /* ---- size classes ------------------------------------------------------------------------ */
@@ -154,63 +164,75 @@ TRACK_INTERNAL SP_INLINE size_t adjust_size(size_t size) {
 /* ---- free lists ----------------------------------------------------------------------------
  * LIFO lists. Only non-head entries keep a valid prev_free: popping the head (the common
  * case, in malloc) then never touches its successor's cache line. A block is the head of
- * its list iff heads[fl][sl] points at it. */
+ * its list iff heads[fl][sl] points at it. The lists keep free_blocks; bytes_free is derived
+ * (heap_bytes_free), so no list operation pays for it. */
 
-TRACK_INTERNAL SP_INLINE void list_insert(sp_tlsf *t, block *b) {
-    unsigned fl, sl;
-    size_t size = block_size(b);
-    mapping_insert(size, &fl, &sl);
+/* Push the free block b onto list (fl, sl), its class. Branch-free: whether the list was
+ * empty is a coin toss, so the old head's back link goes to t->scratch when there is none and
+ * the bitmap bits are set whether or not they were. */
+TRACK_INTERNAL SP_INLINE void list_push(sp_tlsf *t, block *b, unsigned fl, unsigned sl) {
     block *head = t->heads[fl][sl];
     b->next_free = head;
-    if (head) head->prev_free = b;
+    (head ? head : &t->scratch)->prev_free = b;
     t->heads[fl][sl] = b;
     t->fl_bitmap |= 1u << fl;
     t->sl_bitmap[fl] |= 1u << sl;
-    t->bytes_free += size;
     t->free_blocks++;
+}
+
+/* Pop b, the head of list (fl, sl). Reads only b's own links. */
+TRACK_INTERNAL SP_INLINE void list_pop(sp_tlsf *t, block *b, unsigned fl, unsigned sl) {
+    block *next = b->next_free;
+    t->heads[fl][sl] = next;
+    /* Branch-free: whether the list empties is a coin toss. */
+    uint32_t sl_map = t->sl_bitmap[fl] & ~((uint32_t)(next == NULL) << sl);
+    t->sl_bitmap[fl] = sl_map;
+    t->fl_bitmap &= ~((uint32_t)(sl_map == 0) << fl);
+    t->free_blocks--;
+}
+
+TRACK_INTERNAL SP_INLINE void list_insert(sp_tlsf *t, block *b) {
+    unsigned fl, sl;
+    mapping_insert(block_size(b), &fl, &sl);
+    list_push(t, b, fl, sl);
+}
+
+/* Unlink b from list (fl, sl), its class. */
+TRACK_INTERNAL SP_INLINE void list_unlink(sp_tlsf *t, block *b, unsigned fl, unsigned sl) {
+    if (t->heads[fl][sl] == b) {
+        list_pop(t, b, fl, sl);
+        return;
+    }
+    block *prev = b->prev_free, *next = b->next_free;
+    prev->next_free = next;
+    if (next) next->prev_free = prev;
+    t->free_blocks--;
 }
 
 TRACK_INTERNAL SP_INLINE void list_remove(sp_tlsf *t, block *b) {
     unsigned fl, sl;
-    size_t size = block_size(b);
-    mapping_insert(size, &fl, &sl);
-    block *next = b->next_free;
-    if (t->heads[fl][sl] == b) {
-        t->heads[fl][sl] = next;
-        if (!next) {
-            t->sl_bitmap[fl] &= ~(1u << sl);
-            if (!t->sl_bitmap[fl]) t->fl_bitmap &= ~(1u << fl);
-        }
-    } else {
-        block *prev = b->prev_free;
-        prev->next_free = next;
-        if (next) next->prev_free = prev;
-    }
-    t->bytes_free -= size;
-    t->free_blocks--;
+    mapping_insert(block_size(b), &fl, &sl);
+    list_unlink(t, b, fl, sl);
 }
 
 /* The listed free block b takes a new size. It changes lists only if its class changes:
- * growing a large free block by a merge, or carving an allocation off its end, usually
- * touches no list at all. */
+ * growing a large free block by a merge often touches no list at all. */
 TRACK_INTERNAL SP_INLINE void list_resize(sp_tlsf *t, block *b, size_t size) {
     unsigned fl, sl, nfl, nsl;
     mapping_insert(block_size(b), &fl, &sl);
     mapping_insert(size, &nfl, &nsl);
-    if (fl == nfl && sl == nsl) {
-        t->bytes_free = t->bytes_free - block_size(b) + size;
-        block_set_size(b, size);
-        return;
+    if (fl != nfl || sl != nsl) {
+        list_unlink(t, b, fl, sl);
+        list_push(t, b, nfl, nsl);
     }
-    list_remove(t, b);
     block_set_size(b, size);
-    list_insert(t, b);
 }
 
-/* A free block with payload >= size, or NULL. Two bit scans and, if the rounded class is
- * empty, one look at the head of the exact class (so a request as large as the largest free
- * block still succeeds). */
-TRACK_INTERNAL SP_INLINE block *list_find(sp_tlsf *t, size_t size) {
+/* A free block with payload >= size, or NULL; it is the head of list (*fl, *sl). Two bit
+ * scans and, if the rounded class is empty, one look at the head of the exact class (so a
+ * request as large as the largest free block still succeeds). */
+TRACK_INTERNAL SP_INLINE block *list_find(sp_tlsf *t, size_t size, unsigned *fl_out,
+                                          unsigned *sl_out) {
     unsigned fl, sl;
     mapping_search(size, &fl, &sl);
     if (SP_LIKELY(fl < FL_COUNT)) {
@@ -222,10 +244,16 @@ TRACK_INTERNAL SP_INLINE block *list_find(sp_tlsf *t, size_t size) {
                 sl_map = t->sl_bitmap[fl];
             }
         }
-        if (sl_map) return t->heads[fl][(unsigned)__builtin_ctz(sl_map)];
+        if (sl_map) {
+            *fl_out = fl;
+            *sl_out = (unsigned)__builtin_ctz(sl_map);
+            return t->heads[fl][*sl_out];
+        }
     }
     mapping_insert(size, &fl, &sl);
     block *b = fl < FL_COUNT ? t->heads[fl][sl] : NULL;
+    *fl_out = fl;
+    *sl_out = sl;
     return b && block_size(b) >= size ? b : NULL;
 }
 
@@ -249,49 +277,54 @@ TRACK_INTERNAL static void block_trim_tail(sp_tlsf *t, block *b, size_t want) {
         rest_size += HEADER + block_size(next);
         block_kill(t, next);
     }
-    block_init(t, rest, b, rest_size, FLAG_FREE);
+    block_init(t, rest, link_to(b, false), rest_size, FLAG_FREE);
     block_link_next(rest, true);
     list_insert(t, rest);
+}
+
+/* A block of `want` payload bytes has gone to the user. */
+TRACK_INTERNAL SP_INLINE void *block_hand_out(sp_tlsf *t, block *a, size_t want) {
+    t->bytes_used += want;
+    t->live_blocks++;
+    if (t->bytes_used > t->high_water) t->high_water = t->bytes_used;
+    track_malloc(block_payload(a), want, 0);
+    return block_payload(a);
 }
 
 /* Hand the free, unlisted block b to the user with `want` payload bytes. */
 TRACK_INTERNAL SP_INLINE void *block_use(sp_tlsf *t, block *b, size_t want) {
     b->size_flags &= ~FLAG_FREE;
     block_trim_tail(t, b, want);
-    size_t size = block_size(b);
-    t->bytes_used += size;
-    t->live_blocks++;
-    if (t->bytes_used > t->high_water) t->high_water = t->bytes_used;
-    track_malloc(block_payload(b), size, 0);
-    return block_payload(b);
+    return block_hand_out(t, b, block_size(b));
 }
 
-/* Return the live block b to the free lists, merging with free neighbours. */
-TRACK_INTERNAL static void block_release(sp_tlsf *t, block *b) {
-    size_t size = block_size(b);
+/* Return the live block b to the free lists, merging with free neighbours. The caller has
+ * validated b (block_check_live), which read both headers this starts from. */
+TRACK_INTERNAL SP_INLINE void block_release(sp_tlsf *t, block *b) {
+    uint64_t sf = b->size_flags;
+    size_t size = sf & SIZE_MASK;
+    block *next = block_next(b);
+    uint64_t next_sf = next->size_flags;
     t->bytes_used -= size;
     t->live_blocks--;
     track_free(block_payload(b), size);
-    block *next = block_next(b);
-    if (block_is_free(next)) {
-        block *after = block_next(next);
+    if (next_sf & FLAG_FREE) {
+        size_t next_size = next_sf & SIZE_MASK;
         list_remove(t, next);
-        size += HEADER + block_size(next);
         block_kill(t, next);
-        next = after;
+        size += HEADER + next_size;
+        next = (block *)((char *)next + HEADER + next_size);
     }
     if (block_prev_is_free(b)) {
-        block *prev = b->prev_phys;
+        block *prev = block_prev(b);
         block_kill(t, b);
         b = prev;
         list_resize(t, b, block_size(b) + HEADER + size);
     } else {
-        b->size_flags |= FLAG_FREE;
-        block_set_size(b, size);
+        b->size_flags = (sf & ~SIZE_MASK) | size | FLAG_FREE;
         list_insert(t, b);
     }
-    next->prev_phys = b;
-    next->size_flags |= FLAG_PREV_FREE;
+    next->prev_link = link_to(b, true);
 }
 
 /* ---- validation of caller pointers ----------------------------------------------------------
@@ -307,15 +340,23 @@ typedef struct verdict {
 
 /* Lock-free: a pool entry is written before pool_count is raised (release), and never changes
  * afterwards, so a reader that sees the count (acquire) sees complete entries. */
-TRACK_INTERNAL static const pool_range *pool_of(const sp_tlsf *t, const void *p) {
-    uintptr_t a = (uintptr_t)p;
+TRACK_INTERNAL static const pool_range *pool_search(const sp_tlsf *t, uintptr_t a) {
     size_t n = __atomic_load_n(&t->pool_count, __ATOMIC_ACQUIRE);
     for (size_t i = 0; i < n; i++)
         if (a >= t->pools[i].lo && a < t->pools[i].hi) return &t->pools[i];
     return NULL;
 }
 
-TRACK_INTERNAL static verdict block_check_live(const sp_tlsf *t, const void *p) {
+/* The pool holding p, or NULL. The first pool is tried inline: it is written by
+ * sp_tlsf_create, before anyone can see the heap, and is empty ({0, 0}) only for a heap
+ * that was never created. */
+TRACK_INTERNAL SP_INLINE const pool_range *pool_of(const sp_tlsf *t, const void *p) {
+    uintptr_t a = (uintptr_t)p;
+    if (SP_LIKELY(a - t->pools[0].lo < t->pools[0].hi - t->pools[0].lo)) return &t->pools[0];
+    return pool_search(t, a);
+}
+
+TRACK_INTERNAL SP_INLINE verdict block_check_live(const sp_tlsf *t, const void *p) {
     verdict v = {SP_OK, NULL, NULL};
     const pool_range *pool = pool_of(t, p);
     uintptr_t a = (uintptr_t)p;
@@ -333,7 +374,7 @@ TRACK_INTERNAL static verdict block_check_live(const sp_tlsf *t, const void *p) 
     }
     if (sf & FLAG_FREE) return (verdict){SP_ERR_DOUBLE_FREE, "block is already free", NULL};
     size_t size = sf & SIZE_MASK;
-    if (size > pool->hi - a - HEADER || block_next(b)->prev_phys != b)
+    if (size > pool->hi - a - HEADER || block_next(b)->prev_link != link_to(b, false))
         return (verdict){SP_ERR_INVALID_POINTER, "header does not match its neighbour", NULL};
     v.b = b;
     return v;
@@ -387,9 +428,9 @@ TRACK_INTERNAL static pool_verdict pool_add(sp_tlsf *t, void *memory, size_t siz
         return (pool_verdict){SP_ERR_LIMIT, "pool table full (SP_TLSF_MAX_POOLS)"};
     track_pool((void *)lo, hi - lo);
     block *first = (block *)lo;
-    block_init(t, first, NULL, payload, FLAG_FREE);
+    block_init(t, first, link_to(NULL, false), payload, FLAG_FREE);
     block *sentinel = block_next(first);
-    block_init(t, sentinel, first, 0, FLAG_PREV_FREE);
+    block_init(t, sentinel, link_to(first, true), 0, 0);
     list_insert(t, first);
     t->pools[t->pool_count] = (pool_range){lo, hi};
     __atomic_store_n(&t->pool_count, t->pool_count + 1, __ATOMIC_RELEASE);
@@ -459,41 +500,53 @@ sp_result sp_tlsf_add_pool(sp_tlsf *t, void *memory, size_t size) {
 
 /* ---- allocation ---------------------------------------------------------------------------- */
 
-/* Carve `want` bytes off the end of the listed free block b. b keeps its header and, if its
- * class does not change, its place in its list; the new block's successor learns its new
- * predecessor. */
-TRACK_INTERNAL SP_INLINE void *block_carve_tail(sp_tlsf *t, block *b, size_t want) {
+/* Carve `want` bytes off the end of b, the head of list (fl, sl), which has room for them and
+ * a minimal free block. b keeps its header and, if its class does not change, its place in its
+ * list; the new block's successor learns its new predecessor. */
+TRACK_INTERNAL SP_INLINE void *block_carve_tail(sp_tlsf *t, block *b, unsigned fl, unsigned sl,
+                                                size_t want) {
     size_t rest = block_size(b) - want - HEADER;
-    list_resize(t, b, rest);
+    unsigned rfl, rsl;
+    mapping_insert(rest, &rfl, &rsl);
+    if (rfl != fl || rsl != sl) {
+        list_pop(t, b, fl, sl);
+        list_push(t, b, rfl, rsl);
+    }
+    block_set_size(b, rest);
     block *a = block_next(b);
-    block_init(t, a, b, want, FLAG_PREV_FREE);
+    block_init(t, a, link_to(b, true), want, 0);
     block_link_next(a, false);
-    t->bytes_used += want;
-    t->live_blocks++;
-    if (t->bytes_used > t->high_water) t->high_water = t->bytes_used;
-    track_malloc(block_payload(a), want, 0);
-    return block_payload(a);
+    return block_hand_out(t, a, want);
 }
 
-TRACK_INTERNAL static void *heap_malloc(sp_tlsf *t, size_t size) {
+/* Hand out all of b, the head of list (fl, sl), which is too small to split. Its successor
+ * already points back at it. */
+TRACK_INTERNAL SP_INLINE void *block_take(sp_tlsf *t, block *b, unsigned fl, unsigned sl) {
+    list_pop(t, b, fl, sl);
+    b->size_flags &= ~FLAG_FREE;
+    size_t size = block_size(b);
+    block_link_next(b, false);
+    return block_hand_out(t, b, size);
+}
+
+TRACK_INTERNAL SP_INLINE void *heap_malloc(sp_tlsf *t, size_t size) {
     if (SP_UNLIKELY(size > SP_TLSF_MAX_BLOCK)) return NULL;
     size_t want = adjust_size(size);
     heap_lock(t);
     void *p = NULL;
-    block *b = list_find(t, want);
+    unsigned fl, sl;
+    block *b = list_find(t, want, &fl, &sl);
     if (SP_LIKELY(b)) {
-        if (block_size(b) - want >= MIN_BLOCK) {
-            p = block_carve_tail(t, b, want);
-        } else {
-            list_remove(t, b);
-            p = block_use(t, b, want);
-        }
+        if (block_size(b) - want >= MIN_BLOCK)
+            p = block_carve_tail(t, b, fl, sl, want);
+        else
+            p = block_take(t, b, fl, sl);
     }
     heap_unlock(t);
     return p;
 }
 
-void *sp_tlsf_malloc(sp_tlsf *t, size_t size) {
+TRACK_INTERNAL void *sp_tlsf_malloc(sp_tlsf *t, size_t size) {
     return heap_malloc(t, size);
 }
 
@@ -510,9 +563,10 @@ TRACK_INTERNAL void *sp_tlsf_aligned_alloc(sp_tlsf *t, size_t align, size_t size
     size_t search = want + align + MIN_BLOCK;
     heap_lock(t);
     void *p = NULL;
-    block *b = list_find(t, search);
+    unsigned fl, sl;
+    block *b = list_find(t, search, &fl, &sl);
     if (b) {
-        list_remove(t, b);
+        list_pop(t, b, fl, sl);
         uintptr_t start = (uintptr_t)block_payload(b);
         uintptr_t at = sp_align_up(start, align);
         if (at != start && at - start < MIN_BLOCK) at = sp_align_up(start + MIN_BLOCK, align);
@@ -521,7 +575,7 @@ TRACK_INTERNAL void *sp_tlsf_aligned_alloc(sp_tlsf *t, size_t align, size_t size
             size_t gap = at - start, total = block_size(b);
             block *aligned = block_of((void *)at);
             block_set_size(b, gap - HEADER);
-            block_init(t, aligned, b, total - gap, 0);
+            block_init(t, aligned, link_to(b, true), total - gap, 0);
             list_insert(t, b);
             block_link_next(b, true);
             b = aligned;
@@ -600,8 +654,17 @@ bool sp_tlsf_owns(const sp_tlsf *t, const void *p) {
 
 /* ---- status, walk, check ------------------------------------------------------------------- */
 
+/* Payload bytes of free blocks. The pools hold nothing but blocks (a header and a payload
+ * each) and one sentinel header each, so this is what the headers and live payloads leave. */
+TRACK_INTERNAL static size_t heap_bytes_free(const sp_tlsf *t) {
+    size_t pooled = t->bytes_total - sp_tlsf_control_size();
+    size_t headers = HEADER * (t->live_blocks + t->free_blocks + t->pool_count);
+    return pooled - headers - t->bytes_used;
+}
+
 TRACK_INTERNAL void sp_tlsf_status_get(sp_tlsf *t, sp_tlsf_status *out) {
     heap_lock(t);
+    size_t bytes_free = heap_bytes_free(t);
     size_t largest = 0;
     if (t->fl_bitmap) {
         unsigned fl = bit_high(t->fl_bitmap);
@@ -609,13 +672,13 @@ TRACK_INTERNAL void sp_tlsf_status_get(sp_tlsf *t, sp_tlsf_status *out) {
     }
     *out = (sp_tlsf_status){
         .bytes_used = t->bytes_used,
-        .bytes_free = t->bytes_free,
-        .bytes_overhead = t->bytes_total - t->bytes_used - t->bytes_free,
+        .bytes_free = bytes_free,
+        .bytes_overhead = t->bytes_total - t->bytes_used - bytes_free,
         .largest_free = largest,
         .live_blocks = t->live_blocks,
         .free_blocks = t->free_blocks,
         .high_water = t->high_water,
-        .fragmentation = t->bytes_free ? 1.0 - (double)largest / (double)t->bytes_free : 0.0,
+        .fragmentation = bytes_free ? 1.0 - (double)largest / (double)bytes_free : 0.0,
         .pool_count = t->pool_count,
     };
     heap_unlock(t);
@@ -656,9 +719,10 @@ TRACK_INTERNAL sp_result sp_tlsf_check(sp_tlsf *t) {
         bool prev_free = false;
         for (b = (block *)t->pools[i].lo; b < end; b = block_next(b)) {
             CHECK((b->size_flags & TAG_MASK) == tag_of(t, b), b, "header tag is wrong");
-            CHECK(b->prev_phys == prev, b, "prev_phys does not point at the previous block");
+            CHECK(block_prev(b) == prev, b, "prev_link does not point at the previous block");
             CHECK(block_prev_is_free(b) == prev_free, b, "FLAG_PREV_FREE disagrees with neighbour");
-            CHECK(!(b->size_flags & (ALIGN - 1) & ~(FLAG_FREE | FLAG_PREV_FREE)), b, "stray flag");
+            CHECK(!(b->size_flags & (ALIGN - 1) & ~FLAG_FREE), b, "stray flag in the size word");
+            CHECK(!(b->prev_link & (ALIGN - 1) & ~FLAG_PREV_FREE), b, "stray flag in prev_link");
             size_t size = block_size(b);
             CHECK(size >= MIN_PAYLOAD, b, "block smaller than the minimum");
             CHECK(size <= (uintptr_t)end - (uintptr_t)block_payload(b), b, "block runs off pool");
@@ -674,7 +738,7 @@ TRACK_INTERNAL sp_result sp_tlsf_check(sp_tlsf *t) {
         CHECK(b == end, b, "last block does not end at the sentinel");
         CHECK((b->size_flags & TAG_MASK) == tag_of(t, b) && block_size(b) == 0 && !block_is_free(b),
               b, "sentinel header damaged");
-        CHECK(b->prev_phys == prev && block_prev_is_free(b) == prev_free, b, "sentinel links");
+        CHECK(block_prev(b) == prev && block_prev_is_free(b) == prev_free, b, "sentinel links");
     }
     size_t listed = 0;
     for (unsigned fl = 0; fl < FL_COUNT; fl++) {
@@ -699,7 +763,8 @@ TRACK_INTERNAL sp_result sp_tlsf_check(sp_tlsf *t) {
     }
     CHECK(listed == free_count, t, "%zu free blocks but %zu on lists", free_count, listed);
     CHECK(used == t->bytes_used && live == t->live_blocks, t, "used counters drifted");
-    CHECK(free_bytes == t->bytes_free && free_count == t->free_blocks, t, "free counters drifted");
+    CHECK(free_bytes == heap_bytes_free(t) && free_count == t->free_blocks, t,
+          "free counters drifted");
     heap_unlock(t);
     return SP_OK;
 fail:

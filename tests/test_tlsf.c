@@ -266,7 +266,12 @@ static void test_check_finds_corruption(void) {
     /* a header whose prev pointer lies */
     saved = peek(c - 16);
     poke(c - 16, (uint64_t)(uintptr_t)(a - 16));
-    is_int(sp_tlsf_check(t), SP_ERR_CORRUPT, "a wrong prev_phys is found");
+    is_int(sp_tlsf_check(t), SP_ERR_CORRUPT, "a wrong prev_link is found");
+    /* c follows the free block b: its prev_link carries PREV_FREE in bit 0 */
+    poke(c - 16, saved ^ 1);
+    is_int(sp_tlsf_check(t), SP_ERR_CORRUPT, "a PREV_FREE flag that lies is found");
+    poke(c - 16, saved | 2);
+    is_int(sp_tlsf_check(t), SP_ERR_CORRUPT, "a stray bit in a prev_link is found");
     poke(c - 16, saved);
     ts_log_release();
     is_int(sp_tlsf_check(t), SP_OK, "repaired heap passes again");
