@@ -202,6 +202,7 @@ TRACK_INTERNAL static sp_handle handle_alloc(sp_handle_heap *h, size_t size, siz
     c->align_log2 = (uint8_t)__builtin_ctzll(align);
     h->live_bytes += size;
     h->live_handles++;
+    if (align <= HUNIT) space_live_insert(h, i, units);
     sp_handle_slot *s = slot_at(h, i);
     __atomic_store_n(&s->ptr, blk_payload(b), __ATOMIC_RELAXED);
     __atomic_store_n(&s->id, id, __ATOMIC_RELEASE);
@@ -251,6 +252,7 @@ TRACK_INTERNAL sp_result sp_handle_free(sp_handle_heap *h, sp_handle x) {
     track_free(s->ptr, c->size);
     h->live_bytes -= c->size;
     h->live_handles--;
+    if (c->align_log2 <= HUNIT_SHIFT) space_live_remove(h, i, units_for(c->size));
     b->id = 0;
     space_release(h, b, b->size);
     __atomic_store_n(&s->id, slot_free_id(h, i), __ATOMIC_RELAXED);
@@ -352,6 +354,7 @@ sp_handle_heap *sp_handle_heap_create(const sp_handle_heap_desc *desc, sp_result
     h->index_full = ((uint32_t)1 << bits) - 1;
     h->gen_max = (uint32_t)((((uint64_t)1) << (32 - bits)) - 1);
     h->free_head = h->free_tail = NO_SLOT;
+    for (unsigned c = 0; c < HCLASSES; c++) h->live_lists[c] = HNONE;
     h->cold = malloc(FIRST_CAPACITY * sizeof *h->cold);
     sp_handle_table *t = h->cold ? table_make(h, FIRST_CAPACITY, NULL) : NULL;
     if (!t) {

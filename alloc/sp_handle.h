@@ -16,7 +16,7 @@
  *
  * Layout. One contiguous committed range growing at the top: every block (live or free) has a
  * 16-byte header; free holes sit in size-segregated lists (8 lists per doubling, two bitmaps:
- * good fit in O(1)); allocation takes a hole first, else extends the top (committing 64 KiB
+ * good fit in O(1)); allocation takes a hole first, else extends the top (committing 16 KiB
  * steps). Freeing coalesces with free neighbours at once; a hole reaching the top lowers it.
  * Compaction (see sp_handle_compact) moves blocks down; afterwards surplus committed memory
  * above the top is decommitted with hysteresis, so memory tracks live bytes.
@@ -168,17 +168,33 @@ size_t sp_handle_size(sp_handle_heap *h, sp_handle x);
 
 /* Compact for at most about budget_ns (0: until caught up). Between frames only (see the
  * concurrency table). Each call resumes where the previous one stopped: it walks from the
- * lowest hole upward and closes each hole by (in this order) sliding the run of blocks above
- * it down when that run is short and ends at a hole or the top; moving the run of blocks at the
- * top of the heap into it (when it fits); moving into it one of the 32 blocks nearest the top
- * that fits; sliding the run above it (at most 64 KiB per memmove). A hole right below a
- * pinned block that nothing fits is left (reused by alloc, retried next pass). Blocks aligned
- * above 16 move only by multiples of their alignment. Relocation callbacks run after each
- * move. The clock (sp_ticks) is read before every move, and a move whose estimated duration
- * (from the bandwidth measured so far) would overrun the budget is not started. Afterwards,
- * committed memory more than max(256 KiB, used/64) above the top is decommitted down to
- * max(64 KiB, used/128). Returns SP_OK (out, if non-NULL, filled); SP_ERR_BUSY (misuse:
- * may_compact said no, or called from a relocation callback; nothing changes). */
+ * lowest hole upward and closes each hole by, in this order:
+ *   1. sliding the run of blocks above it down over it, when that run is short (at most 4x
+ *      the hole + 4 KiB) and ends at another hole or the top (the holes merge);
+ *   2. moving the run of blocks at the top of the heap into it, when that run fits;
+ *   3. moving into it the block that fits best among the 256 nearest the top, else the best
+ *      one of a size index of all live blocks above it (up to 64 candidates per size class,
+ *      256 in all);
+ *      its old place becomes a hole that the pass reaches later;
+ *   4. a hole of at most 256 bytes that no block above fits becomes slack of the block below
+ *      it (nothing moves; the slack is dropped when that block moves or is freed);
+ *   5. sliding the run above it (up to 64 KiB or 256 blocks per memmove stretch), which
+ *      moves the hole up until it merges with the next hole or the top.
+ * Moved blocks are packed (their slack dropped). Pinned blocks never move: a hole right below
+ * a pinned block that nothing fits is left (alloc reuses it; retried next call). Blocks
+ * aligned above 16 move only by multiples of their alignment (else the pad before them becomes
+ * slack of the block below). Relocation callbacks run after each move. The clock (sp_ticks)
+ * is read before every move, and a move whose estimated duration (from the bandwidth measured
+ * so far) would overrun the budget is not started, except the first move of a call (so every
+ * call makes progress; one move is at most 64 KiB, or one larger block). Afterwards, if 20 us
+ * of the budget are left (or there is no budget), committed memory more than max(32 KiB,
+ * used/64) above the top is decommitted down to max(16 KiB, used/128), at most 256 KiB per
+ * budgeted call.
+ * Cost: closing a hole by 1-4 moves about its size; 5 moves everything up to the next hole,
+ * so a heap whose small holes sit below only larger blocks (sizes stratified by earlier
+ * compaction) costs up to its size per frame to keep fully compact.
+ * Returns SP_OK (out, if non-NULL, filled); SP_ERR_BUSY (misuse: may_compact said no, or
+ * called from a relocation callback; nothing changes). */
 sp_result sp_handle_compact(sp_handle_heap *h, uint64_t budget_ns, sp_handle_compact_stats *out);
 
 /* Figures (see sp_handle_heap_status). Any thread; takes the lock. O(holes in the largest
