@@ -201,6 +201,7 @@ TRACK_INTERNAL static sp_handle handle_alloc(sp_handle_heap *h, size_t size, siz
     c->user = user;
     c->align_log2 = (uint8_t)__builtin_ctzll(align);
     h->live_bytes += size;
+    h->need_bytes += units_bytes(units);
     h->live_handles++;
     if (align <= HUNIT) space_live_insert(h, i, units);
     sp_handle_slot *s = slot_at(h, i);
@@ -251,6 +252,7 @@ TRACK_INTERNAL sp_result sp_handle_free(sp_handle_heap *h, sp_handle x) {
     hcold *c = &h->cold[i];
     track_free(s->ptr, c->size);
     h->live_bytes -= c->size;
+    h->need_bytes -= units_bytes(units_for(c->size));
     h->live_handles--;
     if (c->align_log2 <= HUNIT_SHIFT) space_live_remove(h, i, units_for(c->size));
     b->id = 0;
@@ -307,6 +309,7 @@ void sp_handle_heap_status_get(sp_handle_heap *h, sp_handle_heap_status *out) {
     sp_mutex_lock(&h->lock);
     out->live_bytes = h->live_bytes;
     out->live_handles = h->live_handles;
+    out->needed_bytes = h->need_bytes;
     out->used_bytes = (size_t)(h->top - h->base);
     out->hole_bytes = h->hole_bytes;
     size_t tail = (size_t)(h->committed - h->top);

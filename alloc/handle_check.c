@@ -14,7 +14,7 @@ TRACK_INTERNAL sp_result sp_handle_heap_check(sp_handle_heap *h) {
     sp_result r = SP_OK;
     track_enter();
     sp_mutex_lock(&h->lock);
-    size_t holes = 0, live = 0, nlive = 0, nholes = 0;
+    size_t need = 0, holes = 0, live = 0, nlive = 0, nholes = 0;
     uint32_t prev = 0;
     bool prev_free = false;
     for (hblk *b = (hblk *)h->base; (char *)b < h->top; b = blk_next(b)) {
@@ -35,12 +35,14 @@ TRACK_INTERNAL sp_result sp_handle_heap_check(sp_handle_heap *h) {
             CHECK(((uintptr_t)blk_payload(b) & (((uintptr_t)1 << h->cold[i].align_log2) - 1)) == 0,
                   b, "payload misaligned");
             live += h->cold[i].size;
+            need += units_bytes(units_for(h->cold[i].size));
             nlive++;
         }
         prev_free = b->id == 0;
         prev = b->size;
     }
     CHECK(prev == h->top_prev, h->top, "top_prev %u, last block %u", h->top_prev, prev);
+    CHECK(need == h->need_bytes, h, "needed bytes %zu, counted %zu", need, h->need_bytes);
     CHECK(holes == h->hole_bytes && live == h->live_bytes && nlive == h->live_handles, h,
           "counters: holes %zu/%zu live %zu/%zu handles %zu/%zu", holes, h->hole_bytes, live,
           h->live_bytes, nlive, h->live_handles);

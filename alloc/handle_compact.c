@@ -6,14 +6,14 @@
 
 #include "handle_internal.h"
 
-#define RUN_CAP ((size_t)64 << 10)   /* bytes per slide memmove: bounds one move's duration */
-#define FILL_LOOKBACK 256            /* blocks below the top examined for a fit */
-#define TRIM_NS 20000                /* budget kept for a decommit */
-#define TRIM_MAX ((size_t)256 << 10) /* bytes decommitted per budgeted call */
-#define RUN_BLOCKS 256               /* blocks per move (callback bookkeeping on the stack) */
-#define ABSORB_UNITS 16              /* holes up to 256 bytes that nothing fits become slack */
-#define LIVE_TRIES 64                /* candidates examined per size class of the live index */
-#define LIVE_TOTAL 256               /* and in all */
+#define RUN_CAP ((size_t)64 << 10) /* bytes per slide memmove: bounds one move's duration */
+#define FILL_LOOKBACK 256          /* blocks below the top examined for a fit */
+#define TRIM_NS 50000              /* budget kept for a decommit */
+#define TRIM_MAX ((size_t)2 << 20) /* bytes decommitted per budgeted call */
+#define RUN_BLOCKS 256             /* blocks per move (callback bookkeeping on the stack) */
+#define ABSORB_UNITS 4             /* holes up to 64 bytes that nothing fits become slack */
+#define LIVE_TRIES 64              /* candidates examined per size class of the live index */
+#define LIVE_TOTAL 256             /* and in all */
 
 enum { HOLE_MOVED, HOLE_LEFT, HOLE_STOP, HOLE_NA };
 

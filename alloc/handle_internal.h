@@ -16,7 +16,7 @@
 #define HUNIT 16u
 #define HUNIT_SHIFT 4
 #define HMIN_UNITS 2u                   /* a free block needs a header and two links */
-#define HCOMMIT_STEP ((size_t)64 << 10) /* commit granularity */
+#define HCOMMIT_STEP ((size_t)16 << 10) /* commit granularity */
 #define HMAX_REGION ((size_t)64 << 30)  /* 2^32 units */
 #define HCLASSES 256                    /* free-list classes, see class_of */
 #define HMAX_ALIGN 4096u
@@ -69,6 +69,7 @@ struct sp_handle_heap {
     uint32_t top_prev; /* size of the block ending at top (0: none) */
     bool own_region;
     size_t live_bytes, live_handles, hole_bytes;
+    size_t need_bytes; /* live blocks' header + size rounded to 16 */
     uint64_t bitmap[HCLASSES / 64];
     hfree *lists[HCLASSES];
     /* live blocks aligned to at most 16, by size class of their needed units (slot lists):

@@ -111,6 +111,8 @@ typedef struct sp_handle_compact_stats {
 typedef struct sp_handle_heap_status {
     size_t live_bytes;        /* sum of the sizes asked for by live allocations */
     size_t live_handles;      /* live allocations */
+    size_t needed_bytes;      /* what live blocks need here: a 16-byte header each plus the
+                                 size rounded up to 16 (the floor for used_bytes) */
     size_t used_bytes;        /* start of heap to top: live blocks, headers, holes */
     size_t hole_bytes;        /* free blocks below the top (headers included) */
     size_t free_bytes;        /* hole_bytes + committed bytes above the top */
@@ -186,9 +188,9 @@ size_t sp_handle_size(sp_handle_heap *h, sp_handle x);
  * slack of the block below). Relocation callbacks run after each move. The clock (sp_ticks)
  * is read before every move, and a move whose estimated duration (from the bandwidth measured
  * so far) would overrun the budget is not started, except the first move of a call (so every
- * call makes progress; one move is at most 64 KiB, or one larger block). Afterwards, if 20 us
+ * call makes progress; one move is at most 64 KiB, or one larger block). Afterwards, if 50 us
  * of the budget are left (or there is no budget), committed memory more than max(32 KiB,
- * used/64) above the top is decommitted down to max(16 KiB, used/128), at most 256 KiB per
+ * used/64) above the top is decommitted down to max(16 KiB, used/128), at most 2 MiB per
  * budgeted call.
  * Cost: closing a hole by 1-4 moves about its size; 5 moves everything up to the next hole,
  * so a heap whose small holes sit below only larger blocks (sizes stratified by earlier
