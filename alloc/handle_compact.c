@@ -9,7 +9,7 @@
 #define RUN_CAP ((size_t)64 << 10) /* bytes per slide memmove: bounds one move's duration */
 #define FILL_LOOKBACK 256          /* blocks below the top examined for a fit */
 #define TRIM_NS 50000              /* budget kept for a decommit */
-#define TRIM_MAX ((size_t)2 << 20) /* bytes decommitted per budgeted call */
+#define TRIM_BYTES_PER_NS 40       /* decommit speed assumed (2 MiB in 50 us) */
 #define RUN_BLOCKS 256             /* blocks per move (callback bookkeeping on the stack) */
 #define ABSORB_UNITS 4             /* holes up to 64 bytes that nothing fits become slack */
 #define LIVE_TRIES 64              /* candidates examined per size class of the live index */
@@ -442,8 +442,13 @@ TRACK_INTERNAL sp_result sp_handle_compact(sp_handle_heap *h, uint64_t budget_ns
     if (finished) h->caught_up = true;
     if (!st.budget_ticks)
         space_trim(h, SIZE_MAX);
-    else if ((double)(sp_ticks() - st.t0) + TRIM_NS / h->ns_per_tick < (double)st.budget_ticks)
-        space_trim(h, TRIM_MAX);
+    else {
+        double left_ns = ((double)st.budget_ticks - (double)(sp_ticks() - st.t0)) * h->ns_per_tick;
+        /* a finished pass may overrun by 5% to give back what it freed */
+        if (finished && left_ns < (double)budget_ns / 20) left_ns = (double)budget_ns / 20;
+        if (left_ns >= TRIM_NS || finished)
+            space_trim(h, sp_align_down((size_t)(left_ns * TRIM_BYTES_PER_NS), HCOMMIT_STEP));
+    }
     uint64_t ns = (uint64_t)((double)(sp_ticks() - st.t0) * h->ns_per_tick);
     h->moved_last = st.moved;
     h->moved_total += st.moved;

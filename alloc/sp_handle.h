@@ -189,9 +189,10 @@ size_t sp_handle_size(sp_handle_heap *h, sp_handle x);
  * is read before every move, and a move whose estimated duration (from the bandwidth measured
  * so far) would overrun the budget is not started, except the first move of a call (so every
  * call makes progress; one move is at most 64 KiB, or one larger block). Afterwards, if 50 us
- * of the budget are left (or there is no budget), committed memory more than max(32 KiB,
- * used/64) above the top is decommitted down to max(16 KiB, used/128), at most 2 MiB per
- * budgeted call.
+ * of the budget are left, or the pass finished (it may then overrun by 5% of the budget), or
+ * there is no budget, committed memory more than max(32 KiB,
+ * used/64) above the top is decommitted down to max(16 KiB, used/128), at most 40 bytes per
+ * ns of budget left (2 MiB per 50 us).
  * Cost: closing a hole by 1-4 moves about its size; 5 moves everything up to the next hole,
  * so a heap whose small holes sit below only larger blocks (sizes stratified by earlier
  * compaction) costs up to its size per frame to keep fully compact.

@@ -172,9 +172,11 @@ static void soak_handle(uint32_t frames, result *res) {
         if (st.committed_bytes > st.needed_bytes + st.needed_bytes / 20 + MEM_FLOOR) {
             res->mem_over_frames++;
             if (cs.caught_up) res->bad_mem++;
-            if (getenv("SOAK_SLOW") && cs.caught_up && res->bad_mem % 50 == 1)
-                diag("memory frame %u: needed %zu used %zu holes %zu committed %zu", f,
-                     st.needed_bytes, st.used_bytes, st.hole_bytes, st.committed_bytes);
+            if (getenv("SOAK_SLOW") && cs.caught_up)
+                diag("memory frame %u: needed %zu used %zu holes %zu committed %zu, compaction "
+                     "%.1f us moved %llu",
+                     f, st.needed_bytes, st.used_bytes, st.hole_bytes, st.committed_bytes,
+                     cs.ns / 1e3, (unsigned long long)cs.bytes_moved);
         }
         if (getenv("SOAK_TRACE") && f % 2000 == 0)
             diag("frame %u: live %zu (%zu objs) used %zu holes %zu committed %zu frag %.4f", f,
