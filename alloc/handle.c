@@ -30,6 +30,7 @@ static sp_handle_table *table_make(sp_handle_heap *h, uint32_t cap, const sp_han
     if (!t) return NULL;
     t->mask = cap - 1;
     t->capacity = cap;
+    t->base = h->base;
     t->retired_next = NULL;
     uint32_t from = 0;
     if (old) {
@@ -38,9 +39,7 @@ static sp_handle_table *table_make(sp_handle_heap *h, uint32_t cap, const sp_han
         from = old->capacity;
     }
     for (uint32_t i = from; i < cap; i++) {
-        t->slots[i].id = slot_free_id(h, i);
-        t->slots[i].pad = 0;
-        t->slots[i].ptr = NULL;
+        t->slots[i].word = slot_free_id(h, i);
     }
     return t;
 }
@@ -205,8 +204,7 @@ TRACK_INTERNAL static sp_handle handle_alloc(sp_handle_heap *h, size_t size, siz
     h->live_handles++;
     if (align <= HUNIT) space_live_insert(h, i, units);
     sp_handle_slot *s = slot_at(h, i);
-    __atomic_store_n(&s->ptr, blk_payload(b), __ATOMIC_RELAXED);
-    __atomic_store_n(&s->id, id, __ATOMIC_RELEASE);
+    slot_set(h, s, id, blk_payload(b));
     track_malloc(blk_payload(b), size, 0);
     sp_mutex_unlock(&h->lock);
     track_leave();
@@ -232,7 +230,7 @@ TRACK_INTERNAL sp_result sp_handle_free(sp_handle_heap *h, sp_handle x) {
     track_enter();
     sp_mutex_lock(&h->lock);
     uint32_t i = id_index(h, x.id);
-    if (i >= h->slots_used || slot_at(h, i)->id != x.id) {
+    if (i >= h->slots_used || slot_id(slot_at(h, i)) != x.id) {
         bool twice = i < h->slots_used && h->cold[i].last_id == x.id;
         sp_mutex_unlock(&h->lock);
         track_leave();
@@ -241,23 +239,24 @@ TRACK_INTERNAL sp_result sp_handle_free(sp_handle_heap *h, sp_handle x) {
                          twice ? "was freed already" : "is stale or forged");
     }
     sp_handle_slot *s = slot_at(h, i);
-    hblk *b = blk_of(s->ptr);
+    void *p = slot_ptr(h, s);
+    hblk *b = blk_of(p);
     uint32_t pins = __atomic_load_n(&b->pins, __ATOMIC_ACQUIRE);
     if (pins) {
         sp_mutex_unlock(&h->lock);
         track_leave();
-        return sp_misuse(SP_ERR_PINNED, "sp_handle_free", s->ptr,
+        return sp_misuse(SP_ERR_PINNED, "sp_handle_free", p,
                          "handle 0x%x is pinned %u time(s): unpin before freeing", x.id, pins);
     }
     hcold *c = &h->cold[i];
-    track_free(s->ptr, c->size);
+    track_free(p, c->size);
     h->live_bytes -= c->size;
     h->need_bytes -= units_bytes(units_for(c->size));
     h->live_handles--;
     if (c->align_log2 <= HUNIT_SHIFT) space_live_remove(h, i, units_for(c->size));
     b->id = 0;
     space_release(h, b, b->size);
-    __atomic_store_n(&s->id, slot_free_id(h, i), __ATOMIC_RELAXED);
+    slot_set(h, s, slot_free_id(h, i), p);
     c->last_id = x.id;
     slot_put(h, i);
     sp_mutex_unlock(&h->lock);
@@ -297,7 +296,7 @@ size_t sp_handle_size(sp_handle_heap *h, sp_handle x) {
     if (!h || !sp_handle_resolve(h, x)) return 0;
     sp_mutex_lock(&h->lock);
     uint32_t i = id_index(h, x.id);
-    size_t n = i < h->slots_used && slot_at(h, i)->id == x.id ? h->cold[i].size : 0;
+    size_t n = i < h->slots_used && slot_id(slot_at(h, i)) == x.id ? h->cold[i].size : 0;
     sp_mutex_unlock(&h->lock);
     return n;
 }
@@ -381,6 +380,7 @@ sp_handle_heap *sp_handle_heap_create(const sp_handle_heap_desc *desc, sp_result
         h->own_region = true;
     }
     h->base = h->top = h->committed = h->scan = base;
+    t->base = base;
     h->end = base + rsize;
     h->caught_up = true;
     h->ns_per_tick = sp_ticks_to_ns(1u << 20) / (double)(1u << 20);

@@ -28,8 +28,8 @@ TRACK_INTERNAL sp_result sp_handle_heap_check(sp_handle_heap *h) {
             nholes++;
         } else {
             uint32_t i = id_index(h, b->id);
-            CHECK(i < h->slots_used && slot_at(h, i)->id == b->id &&
-                      slot_at(h, i)->ptr == blk_payload(b),
+            CHECK(i < h->slots_used && slot_id(slot_at(h, i)) == b->id &&
+                      slot_ptr(h, slot_at(h, i)) == blk_payload(b),
                   b, "live block 0x%x and its slot disagree", b->id);
             CHECK(units_bytes(b->size) >= h->cold[i].size + sizeof(hblk), b, "block too small");
             CHECK(((uintptr_t)blk_payload(b) & (((uintptr_t)1 << h->cold[i].align_log2) - 1)) == 0,
@@ -61,9 +61,9 @@ TRACK_INTERNAL sp_result sp_handle_heap_check(sp_handle_heap *h) {
     size_t slots_live = 0;
     for (uint32_t i = 0; i < h->slots_used; i++) {
         const sp_handle_slot *s = slot_at(h, i);
-        if (id_index(h, s->id) != i) continue;
-        const hblk *b = blk_of(s->ptr);
-        CHECK((char *)b >= h->base && (char *)b < h->top && b->id == s->id, s->ptr,
+        if (id_index(h, slot_id(s)) != i) continue;
+        const hblk *b = blk_of(slot_ptr(h, s));
+        CHECK((char *)b >= h->base && (char *)b < h->top && b->id == slot_id(s), b,
               "slot %u points at a block that is not its own", i);
         slots_live++;
     }

@@ -105,7 +105,7 @@ TRACK_INTERNAL static size_t run_move(sp_handle_heap *h, step *st, char *src, si
     for (hblk *b = (hblk *)dst; (char *)b < d; b = blk_next(b)) {
         if ((char *)b != dst) b->prev = prev;
         prev = b->size;
-        __atomic_store_n(&slot_at(h, id_index(h, b->id))->ptr, blk_payload(b), __ATOMIC_RELAXED);
+        slot_set(h, slot_at(h, id_index(h, b->id)), b->id, blk_payload(b));
         track_malloc(blk_payload(b), cold_of(h, b)->size, 1);
         st->blocks++;
     }
@@ -230,7 +230,7 @@ TRACK_INTERNAL static hblk *live_best(const sp_handle_heap *h, const hblk *H, ui
         for (uint32_t i = h->live_lists[c], k = 0;
              i != HNONE && k < LIVE_TRIES && tries < LIVE_TOTAL;
              i = h->cold[i].lnext, k++, tries++) {
-            hblk *b = blk_of(slot_at(h, i)->ptr);
+            hblk *b = blk_of(slot_ptr(h, slot_at(h, i)));
             uint32_t need = units_for(h->cold[i].size);
             if (need <= hs && (char *)b > above && (!best || b > best) &&
                 !__atomic_load_n(&b->pins, __ATOMIC_ACQUIRE)) {

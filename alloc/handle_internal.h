@@ -142,5 +142,16 @@ SP_INLINE sp_handle_slot *slot_at(const sp_handle_heap *h, uint32_t i) {
 SP_INLINE uint32_t id_index(const sp_handle_heap *h, uint32_t id) {
     return id & h->index_full;
 }
+SP_INLINE uint32_t slot_id(const sp_handle_slot *s) {
+    return (uint32_t)__atomic_load_n(&s->word, __ATOMIC_RELAXED);
+}
+SP_INLINE void *slot_ptr(const sp_handle_heap *h, const sp_handle_slot *s) {
+    return h->base + ((__atomic_load_n(&s->word, __ATOMIC_RELAXED) >> 32) << HUNIT_SHIFT);
+}
+/* Publish id and payload p in one store (release: the block's header is written before). */
+SP_INLINE void slot_set(const sp_handle_heap *h, sp_handle_slot *s, uint32_t id, const void *p) {
+    uint64_t off = (uint64_t)((const char *)p - h->base) >> HUNIT_SHIFT;
+    __atomic_store_n(&s->word, (uint64_t)id | off << 32, __ATOMIC_RELEASE);
+}
 
 #endif

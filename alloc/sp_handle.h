@@ -15,24 +15,28 @@
  * bits) a slot is retired after 4,095 reuses. 32 bits suffice: the table is the bound.
  *
  * Layout. One contiguous committed range growing at the top: every block (live or free) has a
- * 16-byte header; free holes sit in size-segregated lists (8 lists per doubling, two bitmaps:
- * good fit in O(1)); allocation takes a hole first, else extends the top (committing 16 KiB
- * steps). Freeing coalesces with free neighbours at once; a hole reaching the top lowers it.
- * Compaction (see sp_handle_compact) moves blocks down; afterwards surplus committed memory
- * above the top is decommitted with hysteresis, so memory tracks live bytes.
+ * 16-byte header (size, predecessor's size, owning handle id, pin count); free holes sit in
+ * size-segregated lists (exact below 256 B, then 8 lists per doubling; a bitmap finds a good
+ * fit in O(1)); allocation takes a hole first, else extends the top (committing 16 KiB
+ * steps). Live blocks aligned to at most 16 are also indexed by size (slot-linked lists):
+ * compaction's source of blocks that fit a hole. Freeing coalesces with free neighbours at once; a
+ * hole reaching the top lowers it. Compaction (see sp_handle_compact) moves blocks down; afterwards
+ * surplus committed memory above the top is decommitted with hysteresis, so memory tracks live
+ * bytes.
  *
  * Lifecycle: sp_handle_heap_create, then any calls, then sp_handle_heap_destroy. Independent
  * of sp_init (alloc/ never calls the runtime); the runtime registers compaction as work
  * between frames and supplies the QSBR retire.
  *
  * Concurrency:
- *   sp_handle_resolve, pin, unpin, size    any thread, concurrently with each other and with
- *                                          alloc/free; no lock (resolve and size: loads only;
- *                                          pin/unpin: one atomic add on the block header)
- *   sp_handle_alloc, alloc_ex, free        any thread, concurrently with each other and the
+ *   sp_handle_resolve, pin, unpin          any thread, concurrently with each other and with
+ *                                          alloc/free; no lock (resolve: loads only; pin: one
+ *                                          atomic add, unpin one compare-and-swap, on the block
+ *                                          header)
+ *   sp_handle_alloc, alloc_ex, free, size  any thread, concurrently with each other and the
  *                                          above; one internal lock (sp_mutex) held for the
- *                                          free-list update (and table growth)
- *   sp_handle_heap_status_get              any thread; takes the lock; exact
+ *                                          free-list and slot update (and table growth)
+ *   sp_handle_heap_status_get, _check      any thread; take the lock; exact
  *   sp_handle_compact                      NOT concurrently with any other call: between
  *                                          frames. desc.may_compact is asked first and a
  *                                          "no" refuses the call (SP_ERR_BUSY)
@@ -165,7 +169,8 @@ void *sp_handle_pin(sp_handle_heap *h, sp_handle x);
  * SP_ERR_NOT_PINNED (misuse; nothing changes). */
 sp_result sp_handle_unpin(sp_handle_heap *h, sp_handle x);
 
-/* Bytes asked for at allocation; 0 for a stale or forged handle. Any thread, no lock. */
+/* Bytes asked for at allocation; 0 for a stale or forged handle. Any thread; takes the lock
+ * (the size lives beside the table, which only the lock holder may read while it grows). */
 size_t sp_handle_size(sp_handle_heap *h, sp_handle x);
 
 /* Compact for at most about budget_ns (0: until caught up). Between frames only (see the
@@ -215,15 +220,16 @@ sp_result sp_handle_heap_check(sp_handle_heap *h);
 /* ---- inline fast path; the layout below is internal, read only by sp_handle_resolve ---- */
 
 typedef struct sp_handle_slot {
-    uint32_t id;  /* the live handle's id; a free or retired slot holds an id whose index part
-                     differs from the slot's own, which no handle for this slot can equal */
-    uint32_t pad; /* unused */
-    void *ptr;    /* the block's payload while live */
+    /* low 32 bits: the live handle's id (a free or retired slot holds an id whose index part
+     * differs from the slot's own, which no handle for this slot can equal); high 32 bits:
+     * the payload's offset from the table's base in 16-byte units (regions are < 64 GiB) */
+    uint64_t word;
 } sp_handle_slot;
 
 typedef struct sp_handle_table {
     uint32_t mask;                        /* capacity - 1 (capacity is a power of two) */
     uint32_t capacity;                    /* slots */
+    char *base;                           /* the heap's region */
     struct sp_handle_table *retired_next; /* retired tables kept until destroy (retire NULL) */
     sp_handle_slot slots[];
 } sp_handle_table;
@@ -234,15 +240,15 @@ typedef struct sp_handle_heap_head {
 
 /* The block's current address, or NULL for a stale or forged handle (or {0}). Valid until the
  * next compaction step. Any thread, concurrently with everything but compaction. Cost: four
- * loads (table pointer with acquire, mask, slot id, slot pointer), one compare; no lock, no
- * read-modify-write, no logging. A slot index beyond the table maps to a slot whose id cannot
- * match. */
+ * loads (table pointer with acquire, mask and base on one line, the 8-byte slot), a compare,
+ * a shift and an add; no lock, no read-modify-write, no logging. A slot index beyond the table
+ * maps to a slot whose id cannot match. */
 static inline void *sp_handle_resolve(sp_handle_heap *h, sp_handle x) {
     const sp_handle_table *t =
         __atomic_load_n(&((const sp_handle_heap_head *)(const void *)h)->table, __ATOMIC_ACQUIRE);
-    const sp_handle_slot *s = &t->slots[x.id & t->mask];
-    if (__builtin_expect(__atomic_load_n(&s->id, __ATOMIC_RELAXED) != x.id, 0)) return NULL;
-    return __atomic_load_n(&s->ptr, __ATOMIC_RELAXED);
+    uint64_t w = __atomic_load_n(&t->slots[x.id & t->mask].word, __ATOMIC_RELAXED);
+    if (__builtin_expect((uint32_t)w != x.id, 0)) return NULL;
+    return t->base + ((w >> 32) << 4);
 }
 
 #ifdef __cplusplus

@@ -91,16 +91,25 @@ static void resolve_teardown(resolve_set *r) {
     free(r->order);
 }
 
+/* Both loops keep the arrays in locals (as game code would): the resolve's acquire load would
+ * otherwise make the compiler reload r's fields on every iteration. */
 static __attribute__((noinline)) uint64_t resolve_loop(resolve_set *r) {
+    sp_handle_heap *heap = r->heap;
+    const sp_handle *handles = r->handles;
+    const uint32_t *order = r->order;
+    int64_t n = cfg.resolves;
     uint64_t sum = 0;
-    for (int64_t i = 0; i < cfg.resolves; i++)
-        sum += *(const char *)sp_handle_resolve(r->heap, r->handles[r->order[i]]);
+    for (int64_t i = 0; i < n; i++)
+        sum += *(const char *)sp_handle_resolve(heap, handles[order[i]]);
     return sum;
 }
 
 static __attribute__((noinline)) uint64_t pointer_loop(resolve_set *r) {
+    char *const *ptrs = r->ptrs;
+    const uint32_t *order = r->order;
+    int64_t n = cfg.resolves;
     uint64_t sum = 0;
-    for (int64_t i = 0; i < cfg.resolves; i++) sum += *(const char *)r->ptrs[r->order[i]];
+    for (int64_t i = 0; i < n; i++) sum += *(const char *)ptrs[order[i]];
     return sum;
 }
 
