@@ -41,9 +41,11 @@ TRACK_INTERNAL static uint32_t blk_need(const sp_handle_heap *h, const hblk *b) 
  * SIZE_MAX without a budget. The first move of a call is always allowed (progress). */
 static size_t step_room(const sp_handle_heap *h, const step *st) {
     if (!st->budget_ticks || !st->blocks) return SIZE_MAX;
-    uint64_t spent = sp_ticks() - st->t0;
-    if (spent >= st->budget_ticks) return 0;
-    return (size_t)((double)(st->budget_ticks - spent) * h->bytes_per_tick);
+    /* conservative: 5% of the budget kept for the search around each move, and the
+     * bandwidth taken at 80% (cold caches, page faults at the top) */
+    uint64_t spent = sp_ticks() - st->t0, keep = st->budget_ticks / 20;
+    if (spent + keep >= st->budget_ticks) return 0;
+    return (size_t)((double)(st->budget_ticks - spent - keep) * h->bytes_per_tick * 0.8);
 }
 
 static bool step_over(const step *st) {

@@ -192,7 +192,8 @@ size_t sp_handle_size(sp_handle_heap *h, sp_handle x);
  * aligned above 16 move only by multiples of their alignment (else the pad before them becomes
  * slack of the block below). Relocation callbacks run after each move. The clock (sp_ticks)
  * is read before every move, and a move whose estimated duration (from the bandwidth measured
- * so far) would overrun the budget is not started, except the first move of a call (so every
+ * so far, taken at 80%, with 5% of the budget kept for searching) would overrun the budget
+ * is not started, except the first move of a call (so every
  * call makes progress; one move is at most 64 KiB, or one larger block). Afterwards, if 50 us
  * of the budget are left, or the pass finished (it may then overrun by 5% of the budget), or
  * there is no budget, committed memory more than max(32 KiB,
