@@ -181,27 +181,29 @@ size_t sp_handle_size(sp_handle_heap *h, sp_handle x);
  *   2. moving the run of blocks at the top of the heap into it, when that run fits;
  *   3. moving into it the block that fits best among the 256 nearest the top, else the best
  *      one of a size index of all live blocks above it (up to 64 candidates per size class,
- *      256 in all);
- *      its old place becomes a hole that the pass reaches later;
- *   4. a hole of at most 256 bytes that no block above fits becomes slack of the block below
+ *      256 in all); its old place becomes a hole that the pass reaches later;
+ *   4. a hole of at most 64 bytes that no block above fits becomes slack of the block below
  *      it (nothing moves; the slack is dropped when that block moves or is freed);
- *   5. sliding the run above it (up to 64 KiB or 256 blocks per memmove stretch), which
+ *   5. when every block above is larger (sizes stratify as small blocks get pulled down):
+ *      moving the block right above it to the top, so that the hole and that block's place
+ *      merge, and moving into the merged hole a block from above that needs more (the hole
+ *      left over is smaller than before);
+ *   6. else sliding the run above it (up to 64 KiB or 256 blocks per memmove stretch), which
  *      moves the hole up until it merges with the next hole or the top.
  * Moved blocks are packed (their slack dropped). Pinned blocks never move: a hole right below
  * a pinned block that nothing fits is left (alloc reuses it; retried next call). Blocks
- * aligned above 16 move only by multiples of their alignment (else the pad before them becomes
- * slack of the block below). Relocation callbacks run after each move. The clock (sp_ticks)
- * is read before every move, and a move whose estimated duration (from the bandwidth measured
- * so far, taken at 80%, with 5% of the budget kept for searching) would overrun the budget
- * is not started, except the first move of a call (so every
- * call makes progress; one move is at most 64 KiB, or one larger block). Afterwards, if 50 us
- * of the budget are left, or the pass finished (it may then overrun by 5% of the budget), or
- * there is no budget, committed memory more than max(32 KiB,
- * used/64) above the top is decommitted down to max(16 KiB, used/128), at most 40 bytes per
- * ns of budget left (2 MiB per 50 us).
- * Cost: closing a hole by 1-4 moves about its size; 5 moves everything up to the next hole,
- * so a heap whose small holes sit below only larger blocks (sizes stratified by earlier
- * compaction) costs up to its size per frame to keep fully compact.
+ * aligned above 16 move only by multiples of their alignment (else the pad before them
+ * becomes slack of the block below). Relocation callbacks run after each move.
+ * Budget: the clock (sp_ticks) is read before every hole and every move; a move whose
+ * estimated duration (the bandwidth measured so far, taken at 80%, with 5% of the budget
+ * kept for the searches) would overrun the budget is not started, except the first move of a
+ * call (every call makes progress; one move is at most 64 KiB, or one larger block).
+ * Afterwards, if 50 us of the budget are left, or the pass finished (it may then overrun by
+ * 5% of the budget), or there is no budget, committed memory more than max(32 KiB, used/64)
+ * above the top is decommitted down to max(16 KiB, used/128), at most 40 bytes per ns of
+ * budget left (2 MiB per 50 us).
+ * Cost: steps 1-5 move about the hole's size (a few blocks); step 6 moves everything up to the
+ * next hole, up to the heap's size per call when small holes sit below only larger blocks.
  * Returns SP_OK (out, if non-NULL, filled); SP_ERR_BUSY (misuse: may_compact said no, or
  * called from a relocation callback; nothing changes). */
 sp_result sp_handle_compact(sp_handle_heap *h, uint64_t budget_ns, sp_handle_compact_stats *out);
