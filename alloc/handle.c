@@ -392,8 +392,13 @@ fail:
     return NULL;
 }
 
-void sp_handle_heap_destroy(sp_handle_heap *h) {
+TRACK_INTERNAL void sp_handle_heap_destroy(sp_handle_heap *h) {
     if (!h) return;
+    track_enter();
+    if (TRACK_VALGRIND) /* memcheck keeps malloc-like blocks until told: forget live ones */
+        for (hblk *b = (hblk *)h->base; (char *)b < h->top; b = blk_next(b))
+            if (b->id) track_free(blk_payload(b), h->cold[id_index(h, b->id)].size);
+    track_leave();
     track_release(h->base, (size_t)(h->committed - h->base));
     if (h->own_region)
         sp_vm_release(h->base, (size_t)(h->end - h->base));
