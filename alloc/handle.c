@@ -30,6 +30,7 @@ static sp_handle_table *table_make(sp_handle_heap *h, uint32_t cap, const sp_han
     if (!t) return NULL;
     t->mask = cap - 1;
     t->capacity = cap;
+    t->base = h->base;
     t->retired_next = NULL;
     uint32_t from = 0;
     if (old) {
@@ -38,9 +39,7 @@ static sp_handle_table *table_make(sp_handle_heap *h, uint32_t cap, const sp_han
         from = old->capacity;
     }
     for (uint32_t i = from; i < cap; i++) {
-        t->slots[i].id = slot_free_id(h, i);
-        t->slots[i].pad = 0;
-        t->slots[i].ptr = NULL;
+        t->slots[i].word = slot_free_id(h, i);
     }
     return t;
 }
@@ -201,10 +200,11 @@ TRACK_INTERNAL static sp_handle handle_alloc(sp_handle_heap *h, size_t size, siz
     c->user = user;
     c->align_log2 = (uint8_t)__builtin_ctzll(align);
     h->live_bytes += size;
+    h->need_bytes += units_bytes(units);
     h->live_handles++;
+    if (align <= HUNIT) space_live_insert(h, i, units);
     sp_handle_slot *s = slot_at(h, i);
-    __atomic_store_n(&s->ptr, blk_payload(b), __ATOMIC_RELAXED);
-    __atomic_store_n(&s->id, id, __ATOMIC_RELEASE);
+    slot_set(h, s, id, blk_payload(b));
     track_malloc(blk_payload(b), size, 0);
     sp_mutex_unlock(&h->lock);
     track_leave();
@@ -230,7 +230,7 @@ TRACK_INTERNAL sp_result sp_handle_free(sp_handle_heap *h, sp_handle x) {
     track_enter();
     sp_mutex_lock(&h->lock);
     uint32_t i = id_index(h, x.id);
-    if (i >= h->slots_used || slot_at(h, i)->id != x.id) {
+    if (i >= h->slots_used || slot_id(slot_at(h, i)) != x.id) {
         bool twice = i < h->slots_used && h->cold[i].last_id == x.id;
         sp_mutex_unlock(&h->lock);
         track_leave();
@@ -239,21 +239,24 @@ TRACK_INTERNAL sp_result sp_handle_free(sp_handle_heap *h, sp_handle x) {
                          twice ? "was freed already" : "is stale or forged");
     }
     sp_handle_slot *s = slot_at(h, i);
-    hblk *b = blk_of(s->ptr);
+    void *p = slot_ptr(h, s);
+    hblk *b = blk_of(p);
     uint32_t pins = __atomic_load_n(&b->pins, __ATOMIC_ACQUIRE);
     if (pins) {
         sp_mutex_unlock(&h->lock);
         track_leave();
-        return sp_misuse(SP_ERR_PINNED, "sp_handle_free", s->ptr,
+        return sp_misuse(SP_ERR_PINNED, "sp_handle_free", p,
                          "handle 0x%x is pinned %u time(s): unpin before freeing", x.id, pins);
     }
     hcold *c = &h->cold[i];
-    track_free(s->ptr, c->size);
+    track_free(p, c->size);
     h->live_bytes -= c->size;
+    h->need_bytes -= units_bytes(units_for(c->size));
     h->live_handles--;
+    if (c->align_log2 <= HUNIT_SHIFT) space_live_remove(h, i, units_for(c->size));
     b->id = 0;
     space_release(h, b, b->size);
-    __atomic_store_n(&s->id, slot_free_id(h, i), __ATOMIC_RELAXED);
+    slot_set(h, s, slot_free_id(h, i), p);
     c->last_id = x.id;
     slot_put(h, i);
     sp_mutex_unlock(&h->lock);
@@ -293,7 +296,7 @@ size_t sp_handle_size(sp_handle_heap *h, sp_handle x) {
     if (!h || !sp_handle_resolve(h, x)) return 0;
     sp_mutex_lock(&h->lock);
     uint32_t i = id_index(h, x.id);
-    size_t n = i < h->slots_used && slot_at(h, i)->id == x.id ? h->cold[i].size : 0;
+    size_t n = i < h->slots_used && slot_id(slot_at(h, i)) == x.id ? h->cold[i].size : 0;
     sp_mutex_unlock(&h->lock);
     return n;
 }
@@ -305,6 +308,7 @@ void sp_handle_heap_status_get(sp_handle_heap *h, sp_handle_heap_status *out) {
     sp_mutex_lock(&h->lock);
     out->live_bytes = h->live_bytes;
     out->live_handles = h->live_handles;
+    out->needed_bytes = h->need_bytes;
     out->used_bytes = (size_t)(h->top - h->base);
     out->hole_bytes = h->hole_bytes;
     size_t tail = (size_t)(h->committed - h->top);
@@ -352,6 +356,7 @@ sp_handle_heap *sp_handle_heap_create(const sp_handle_heap_desc *desc, sp_result
     h->index_full = ((uint32_t)1 << bits) - 1;
     h->gen_max = (uint32_t)((((uint64_t)1) << (32 - bits)) - 1);
     h->free_head = h->free_tail = NO_SLOT;
+    for (unsigned c = 0; c < HCLASSES; c++) h->live_lists[c] = HNONE;
     h->cold = malloc(FIRST_CAPACITY * sizeof *h->cold);
     sp_handle_table *t = h->cold ? table_make(h, FIRST_CAPACITY, NULL) : NULL;
     if (!t) {
@@ -375,6 +380,7 @@ sp_handle_heap *sp_handle_heap_create(const sp_handle_heap_desc *desc, sp_result
         h->own_region = true;
     }
     h->base = h->top = h->committed = h->scan = base;
+    t->base = base;
     h->end = base + rsize;
     h->caught_up = true;
     h->ns_per_tick = sp_ticks_to_ns(1u << 20) / (double)(1u << 20);
@@ -386,8 +392,13 @@ fail:
     return NULL;
 }
 
-void sp_handle_heap_destroy(sp_handle_heap *h) {
+TRACK_INTERNAL void sp_handle_heap_destroy(sp_handle_heap *h) {
     if (!h) return;
+    track_enter();
+    if (TRACK_VALGRIND) /* memcheck keeps malloc-like blocks until told: forget live ones */
+        for (hblk *b = (hblk *)h->base; (char *)b < h->top; b = blk_next(b))
+            if (b->id) track_free(blk_payload(b), h->cold[id_index(h, b->id)].size);
+    track_leave();
     track_release(h->base, (size_t)(h->committed - h->base));
     if (h->own_region)
         sp_vm_release(h->base, (size_t)(h->end - h->base));

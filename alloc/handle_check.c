@@ -14,7 +14,7 @@ TRACK_INTERNAL sp_result sp_handle_heap_check(sp_handle_heap *h) {
     sp_result r = SP_OK;
     track_enter();
     sp_mutex_lock(&h->lock);
-    size_t holes = 0, live = 0, nlive = 0, nholes = 0;
+    size_t need = 0, holes = 0, live = 0, nlive = 0, nholes = 0;
     uint32_t prev = 0;
     bool prev_free = false;
     for (hblk *b = (hblk *)h->base; (char *)b < h->top; b = blk_next(b)) {
@@ -28,19 +28,21 @@ TRACK_INTERNAL sp_result sp_handle_heap_check(sp_handle_heap *h) {
             nholes++;
         } else {
             uint32_t i = id_index(h, b->id);
-            CHECK(i < h->slots_used && slot_at(h, i)->id == b->id &&
-                      slot_at(h, i)->ptr == blk_payload(b),
+            CHECK(i < h->slots_used && slot_id(slot_at(h, i)) == b->id &&
+                      slot_ptr(h, slot_at(h, i)) == blk_payload(b),
                   b, "live block 0x%x and its slot disagree", b->id);
             CHECK(units_bytes(b->size) >= h->cold[i].size + sizeof(hblk), b, "block too small");
             CHECK(((uintptr_t)blk_payload(b) & (((uintptr_t)1 << h->cold[i].align_log2) - 1)) == 0,
                   b, "payload misaligned");
             live += h->cold[i].size;
+            need += units_bytes(units_for(h->cold[i].size));
             nlive++;
         }
         prev_free = b->id == 0;
         prev = b->size;
     }
     CHECK(prev == h->top_prev, h->top, "top_prev %u, last block %u", h->top_prev, prev);
+    CHECK(need == h->need_bytes, h, "needed bytes %zu, counted %zu", need, h->need_bytes);
     CHECK(holes == h->hole_bytes && live == h->live_bytes && nlive == h->live_handles, h,
           "counters: holes %zu/%zu live %zu/%zu handles %zu/%zu", holes, h->hole_bytes, live,
           h->live_bytes, nlive, h->live_handles);
@@ -59,9 +61,9 @@ TRACK_INTERNAL sp_result sp_handle_heap_check(sp_handle_heap *h) {
     size_t slots_live = 0;
     for (uint32_t i = 0; i < h->slots_used; i++) {
         const sp_handle_slot *s = slot_at(h, i);
-        if (id_index(h, s->id) != i) continue;
-        const hblk *b = blk_of(s->ptr);
-        CHECK((char *)b >= h->base && (char *)b < h->top && b->id == s->id, s->ptr,
+        if (id_index(h, slot_id(s)) != i) continue;
+        const hblk *b = blk_of(slot_ptr(h, s));
+        CHECK((char *)b >= h->base && (char *)b < h->top && b->id == slot_id(s), b,
               "slot %u points at a block that is not its own", i);
         slots_live++;
     }

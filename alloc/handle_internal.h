@@ -16,7 +16,7 @@
 #define HUNIT 16u
 #define HUNIT_SHIFT 4
 #define HMIN_UNITS 2u                   /* a free block needs a header and two links */
-#define HCOMMIT_STEP ((size_t)64 << 10) /* commit granularity */
+#define HCOMMIT_STEP ((size_t)16 << 10) /* commit granularity */
 #define HMAX_REGION ((size_t)64 << 30)  /* 2^32 units */
 #define HCLASSES 256                    /* free-list classes, see class_of */
 #define HMAX_ALIGN 4096u
@@ -44,10 +44,13 @@ typedef struct hcold {
     size_t size; /* bytes asked for */
     sp_handle_relocate_fn fn;
     void *user;
-    uint32_t last_id;   /* the id last freed from this slot (tells double from stale frees) */
-    uint32_t next_free; /* FIFO of free slots; UINT32_MAX ends it */
+    uint32_t last_id;      /* the id last freed from this slot (tells double from stale frees) */
+    uint32_t next_free;    /* FIFO of free slots; UINT32_MAX ends it */
+    uint32_t lnext, lprev; /* live blocks of one size class (HNONE ends) */
     uint8_t align_log2;
 } hcold;
+
+#define HNONE UINT32_MAX
 
 struct sp_handle_heap {
     sp_handle_heap_head head; /* first: sp_handle_resolve reads it */
@@ -66,8 +69,13 @@ struct sp_handle_heap {
     uint32_t top_prev; /* size of the block ending at top (0: none) */
     bool own_region;
     size_t live_bytes, live_handles, hole_bytes;
+    size_t need_bytes; /* live blocks' header + size rounded to 16 */
     uint64_t bitmap[HCLASSES / 64];
     hfree *lists[HCLASSES];
+    /* live blocks aligned to at most 16, by size class of their needed units (slot lists):
+     * where compaction finds a block that fits a hole */
+    uint64_t live_bitmap[HCLASSES / 64];
+    uint32_t live_lists[HCLASSES];
     /* compaction */
     int compacting; /* atomic flag: a compaction call is running (callbacks included) */
     char *scan;     /* the current pass continues here (a block start, or >= top) */
@@ -102,6 +110,11 @@ SP_INLINE uint32_t units_for(size_t size) {
     return u < HMIN_UNITS ? HMIN_UNITS : (uint32_t)u;
 }
 
+/* Size class of u units (u >= 2): exact below 16, then 8 classes per doubling. */
+SP_HIDDEN unsigned space_class(uint64_t u);
+/* The live-block index (lock held, or compaction). */
+SP_HIDDEN void space_live_insert(sp_handle_heap *h, uint32_t slot, uint32_t need);
+SP_HIDDEN void space_live_remove(sp_handle_heap *h, uint32_t slot, uint32_t need);
 SP_HIDDEN void space_hole_insert(sp_handle_heap *h, hblk *b);
 SP_HIDDEN void space_hole_remove(sp_handle_heap *h, hblk *b);
 /* A hole of at least `units`, removed from its list; NULL if none. O(1). */
@@ -114,8 +127,9 @@ SP_HIDDEN hblk *space_release(sp_handle_heap *h, hblk *b, uint32_t units);
 SP_HIDDEN void space_header(sp_handle_heap *h, hblk *b, uint32_t units, uint32_t prev);
 /* Grow committed memory so that [.., need) is usable. SP_OK or SP_ERR_NOMEM/SP_ERR_OS. */
 SP_HIDDEN sp_result space_commit(sp_handle_heap *h, char *need);
-/* Decommit surplus above the top (hysteresis, see sp_handle_compact). */
-SP_HIDDEN void space_trim(sp_handle_heap *h);
+/* Decommit surplus above the top (hysteresis, see sp_handle_compact), at most max_bytes
+ * (a multiple of HCOMMIT_STEP) from the end of the committed range. */
+SP_HIDDEN void space_trim(sp_handle_heap *h, size_t max_bytes);
 SP_HIDDEN size_t space_largest_hole(const sp_handle_heap *h);
 /* Take `units` at the front of hole b (removed from its list), the rest becomes a hole again
  * (or slack of the block if under HMIN_UNITS). Returns the units the block got. */
@@ -127,6 +141,17 @@ SP_INLINE sp_handle_slot *slot_at(const sp_handle_heap *h, uint32_t i) {
 }
 SP_INLINE uint32_t id_index(const sp_handle_heap *h, uint32_t id) {
     return id & h->index_full;
+}
+SP_INLINE uint32_t slot_id(const sp_handle_slot *s) {
+    return (uint32_t)__atomic_load_n(&s->word, __ATOMIC_RELAXED);
+}
+SP_INLINE void *slot_ptr(const sp_handle_heap *h, const sp_handle_slot *s) {
+    return h->base + ((__atomic_load_n(&s->word, __ATOMIC_RELAXED) >> 32) << HUNIT_SHIFT);
+}
+/* Publish id and payload p in one store (release: the block's header is written before). */
+SP_INLINE void slot_set(const sp_handle_heap *h, sp_handle_slot *s, uint32_t id, const void *p) {
+    uint64_t off = (uint64_t)((const char *)p - h->base) >> HUNIT_SHIFT;
+    __atomic_store_n(&s->word, (uint64_t)id | off << 32, __ATOMIC_RELEASE);
 }
 
 #endif

@@ -5,7 +5,7 @@
 
 /* Class of a hole of u units (u >= 2): exact below 16 units, then 8 classes per doubling.
  * Largest: u < 2^32 gives 16 + 27 * 8 + 7 = 239 < HCLASSES. */
-static unsigned class_of(uint64_t u) {
+unsigned space_class(uint64_t u) {
     if (u < 16) return (unsigned)u;
     unsigned fl = 63u - (unsigned)__builtin_clzll(u);
     unsigned sl = (unsigned)(u >> (fl - 3)) & 7u;
@@ -16,12 +16,33 @@ static unsigned class_of(uint64_t u) {
 static unsigned class_up(uint64_t u) {
     if (u < 16) return (unsigned)u;
     unsigned fl = 63u - (unsigned)__builtin_clzll(u);
-    return class_of(u + ((uint64_t)1 << (fl - 3)) - 1);
+    return space_class(u + ((uint64_t)1 << (fl - 3)) - 1);
+}
+
+void space_live_insert(sp_handle_heap *h, uint32_t slot, uint32_t need) {
+    unsigned c = space_class(need);
+    hcold *k = &h->cold[slot];
+    k->lprev = HNONE;
+    k->lnext = h->live_lists[c];
+    if (k->lnext != HNONE) h->cold[k->lnext].lprev = slot;
+    h->live_lists[c] = slot;
+    h->live_bitmap[c / 64] |= (uint64_t)1 << (c % 64);
+}
+
+void space_live_remove(sp_handle_heap *h, uint32_t slot, uint32_t need) {
+    unsigned c = space_class(need);
+    hcold *k = &h->cold[slot];
+    if (k->lprev != HNONE)
+        h->cold[k->lprev].lnext = k->lnext;
+    else
+        h->live_lists[c] = k->lnext;
+    if (k->lnext != HNONE) h->cold[k->lnext].lprev = k->lprev;
+    if (h->live_lists[c] == HNONE) h->live_bitmap[c / 64] &= ~((uint64_t)1 << (c % 64));
 }
 
 TRACK_INTERNAL void space_hole_insert(sp_handle_heap *h, hblk *b) {
     hfree *f = (hfree *)b;
-    unsigned c = class_of(b->size);
+    unsigned c = space_class(b->size);
     f->head.id = 0;
     f->prev_free = NULL;
     f->next = h->lists[c];
@@ -33,7 +54,7 @@ TRACK_INTERNAL void space_hole_insert(sp_handle_heap *h, hblk *b) {
 
 TRACK_INTERNAL void space_hole_remove(sp_handle_heap *h, hblk *b) {
     hfree *f = (hfree *)b;
-    unsigned c = class_of(b->size);
+    unsigned c = space_class(b->size);
     if (f->prev_free)
         f->prev_free->next = f->next;
     else
@@ -146,13 +167,14 @@ sp_result space_commit(sp_handle_heap *h, char *need) {
     return SP_OK;
 }
 
-void space_trim(sp_handle_heap *h) {
+void space_trim(sp_handle_heap *h, size_t max_bytes) {
     size_t used = (size_t)(h->top - h->base);
     size_t slack = (size_t)(h->committed - h->top);
-    size_t hi = used / 64 > ((size_t)256 << 10) ? used / 64 : ((size_t)256 << 10);
+    size_t hi = used / 64 > ((size_t)32 << 10) ? used / 64 : ((size_t)32 << 10);
     if (slack <= hi) return;
-    size_t lo = used / 128 > ((size_t)64 << 10) ? used / 128 : ((size_t)64 << 10);
+    size_t lo = used / 128 > ((size_t)16 << 10) ? used / 128 : ((size_t)16 << 10);
     char *c = (char *)sp_align_up((uintptr_t)(h->top + lo), HCOMMIT_STEP);
     if (c >= h->committed) return;
+    if ((size_t)(h->committed - c) > max_bytes) c = h->committed - max_bytes;
     if (sp_vm_decommit(c, (size_t)(h->committed - c)) == SP_OK) h->committed = c;
 }

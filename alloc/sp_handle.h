@@ -15,24 +15,28 @@
  * bits) a slot is retired after 4,095 reuses. 32 bits suffice: the table is the bound.
  *
  * Layout. One contiguous committed range growing at the top: every block (live or free) has a
- * 16-byte header; free holes sit in size-segregated lists (8 lists per doubling, two bitmaps:
- * good fit in O(1)); allocation takes a hole first, else extends the top (committing 64 KiB
- * steps). Freeing coalesces with free neighbours at once; a hole reaching the top lowers it.
- * Compaction (see sp_handle_compact) moves blocks down; afterwards surplus committed memory
- * above the top is decommitted with hysteresis, so memory tracks live bytes.
+ * 16-byte header (size, predecessor's size, owning handle id, pin count); free holes sit in
+ * size-segregated lists (exact below 256 B, then 8 lists per doubling; a bitmap finds a good
+ * fit in O(1)); allocation takes a hole first, else extends the top (committing 16 KiB
+ * steps). Live blocks aligned to at most 16 are also indexed by size (slot-linked lists):
+ * compaction's source of blocks that fit a hole. Freeing coalesces with free neighbours at once; a
+ * hole reaching the top lowers it. Compaction (see sp_handle_compact) moves blocks down; afterwards
+ * surplus committed memory above the top is decommitted with hysteresis, so memory tracks live
+ * bytes.
  *
  * Lifecycle: sp_handle_heap_create, then any calls, then sp_handle_heap_destroy. Independent
  * of sp_init (alloc/ never calls the runtime); the runtime registers compaction as work
  * between frames and supplies the QSBR retire.
  *
  * Concurrency:
- *   sp_handle_resolve, pin, unpin, size    any thread, concurrently with each other and with
- *                                          alloc/free; no lock (resolve and size: loads only;
- *                                          pin/unpin: one atomic add on the block header)
- *   sp_handle_alloc, alloc_ex, free        any thread, concurrently with each other and the
+ *   sp_handle_resolve, pin, unpin          any thread, concurrently with each other and with
+ *                                          alloc/free; no lock (resolve: loads only; pin: one
+ *                                          atomic add, unpin one compare-and-swap, on the block
+ *                                          header)
+ *   sp_handle_alloc, alloc_ex, free, size  any thread, concurrently with each other and the
  *                                          above; one internal lock (sp_mutex) held for the
- *                                          free-list update (and table growth)
- *   sp_handle_heap_status_get              any thread; takes the lock; exact
+ *                                          free-list and slot update (and table growth)
+ *   sp_handle_heap_status_get, _check      any thread; take the lock; exact
  *   sp_handle_compact                      NOT concurrently with any other call: between
  *                                          frames. desc.may_compact is asked first and a
  *                                          "no" refuses the call (SP_ERR_BUSY)
@@ -111,6 +115,8 @@ typedef struct sp_handle_compact_stats {
 typedef struct sp_handle_heap_status {
     size_t live_bytes;        /* sum of the sizes asked for by live allocations */
     size_t live_handles;      /* live allocations */
+    size_t needed_bytes;      /* what live blocks need here: a 16-byte header each plus the
+                                 size rounded up to 16 (the floor for used_bytes) */
     size_t used_bytes;        /* start of heap to top: live blocks, headers, holes */
     size_t hole_bytes;        /* free blocks below the top (headers included) */
     size_t free_bytes;        /* hole_bytes + committed bytes above the top */
@@ -163,22 +169,43 @@ void *sp_handle_pin(sp_handle_heap *h, sp_handle x);
  * SP_ERR_NOT_PINNED (misuse; nothing changes). */
 sp_result sp_handle_unpin(sp_handle_heap *h, sp_handle x);
 
-/* Bytes asked for at allocation; 0 for a stale or forged handle. Any thread, no lock. */
+/* Bytes asked for at allocation; 0 for a stale or forged handle. Any thread; takes the lock
+ * (the size lives beside the table, which only the lock holder may read while it grows). */
 size_t sp_handle_size(sp_handle_heap *h, sp_handle x);
 
 /* Compact for at most about budget_ns (0: until caught up). Between frames only (see the
  * concurrency table). Each call resumes where the previous one stopped: it walks from the
- * lowest hole upward and closes each hole by (in this order) sliding the run of blocks above
- * it down when that run is short and ends at a hole or the top; moving the run of blocks at the
- * top of the heap into it (when it fits); moving into it one of the 32 blocks nearest the top
- * that fits; sliding the run above it (at most 64 KiB per memmove). A hole right below a
- * pinned block that nothing fits is left (reused by alloc, retried next pass). Blocks aligned
- * above 16 move only by multiples of their alignment. Relocation callbacks run after each
- * move. The clock (sp_ticks) is read before every move, and a move whose estimated duration
- * (from the bandwidth measured so far) would overrun the budget is not started. Afterwards,
- * committed memory more than max(256 KiB, used/64) above the top is decommitted down to
- * max(64 KiB, used/128). Returns SP_OK (out, if non-NULL, filled); SP_ERR_BUSY (misuse:
- * may_compact said no, or called from a relocation callback; nothing changes). */
+ * lowest hole upward and closes each hole by, in this order:
+ *   1. sliding the run of blocks above it down over it, when that run is short (at most 4x
+ *      the hole + 4 KiB) and ends at another hole or the top (the holes merge);
+ *   2. moving the run of blocks at the top of the heap into it, when that run fits;
+ *   3. moving into it the block that fits best among the 256 nearest the top, else the best
+ *      one of a size index of all live blocks above it (up to 64 candidates per size class,
+ *      256 in all); its old place becomes a hole that the pass reaches later;
+ *   4. a hole of at most 64 bytes that no block above fits becomes slack of the block below
+ *      it (nothing moves; the slack is dropped when that block moves or is freed);
+ *   5. when every block above is larger (sizes stratify as small blocks get pulled down):
+ *      moving the block right above it to the top, so that the hole and that block's place
+ *      merge, and moving into the merged hole a block from above that needs more (the hole
+ *      left over is smaller than before);
+ *   6. else sliding the run above it (up to 64 KiB or 256 blocks per memmove stretch), which
+ *      moves the hole up until it merges with the next hole or the top.
+ * Moved blocks are packed (their slack dropped). Pinned blocks never move: a hole right below
+ * a pinned block that nothing fits is left (alloc reuses it; retried next call). Blocks
+ * aligned above 16 move only by multiples of their alignment (else the pad before them
+ * becomes slack of the block below). Relocation callbacks run after each move.
+ * Budget: the clock (sp_ticks) is read before every hole and every move; a move whose
+ * estimated duration (the bandwidth measured so far, taken at 80%, with 5% of the budget
+ * kept for the searches) would overrun the budget is not started, except the first move of a
+ * call (every call makes progress; one move is at most 64 KiB, or one larger block).
+ * Afterwards, if 50 us of the budget are left, or the pass finished (it may then overrun by
+ * 5% of the budget), or there is no budget, committed memory more than max(32 KiB, used/64)
+ * above the top is decommitted down to max(16 KiB, used/128), at most 40 bytes per ns of
+ * budget left (2 MiB per 50 us).
+ * Cost: steps 1-5 move about the hole's size (a few blocks); step 6 moves everything up to the
+ * next hole, up to the heap's size per call when small holes sit below only larger blocks.
+ * Returns SP_OK (out, if non-NULL, filled); SP_ERR_BUSY (misuse: may_compact said no, or
+ * called from a relocation callback; nothing changes). */
 sp_result sp_handle_compact(sp_handle_heap *h, uint64_t budget_ns, sp_handle_compact_stats *out);
 
 /* Figures (see sp_handle_heap_status). Any thread; takes the lock. O(holes in the largest
@@ -196,15 +223,16 @@ sp_result sp_handle_heap_check(sp_handle_heap *h);
 /* ---- inline fast path; the layout below is internal, read only by sp_handle_resolve ---- */
 
 typedef struct sp_handle_slot {
-    uint32_t id;  /* the live handle's id; a free or retired slot holds an id whose index part
-                     differs from the slot's own, which no handle for this slot can equal */
-    uint32_t pad; /* unused */
-    void *ptr;    /* the block's payload while live */
+    /* low 32 bits: the live handle's id (a free or retired slot holds an id whose index part
+     * differs from the slot's own, which no handle for this slot can equal); high 32 bits:
+     * the payload's offset from the table's base in 16-byte units (regions are < 64 GiB) */
+    uint64_t word;
 } sp_handle_slot;
 
 typedef struct sp_handle_table {
     uint32_t mask;                        /* capacity - 1 (capacity is a power of two) */
     uint32_t capacity;                    /* slots */
+    char *base;                           /* the heap's region */
     struct sp_handle_table *retired_next; /* retired tables kept until destroy (retire NULL) */
     sp_handle_slot slots[];
 } sp_handle_table;
@@ -215,15 +243,15 @@ typedef struct sp_handle_heap_head {
 
 /* The block's current address, or NULL for a stale or forged handle (or {0}). Valid until the
  * next compaction step. Any thread, concurrently with everything but compaction. Cost: four
- * loads (table pointer with acquire, mask, slot id, slot pointer), one compare; no lock, no
- * read-modify-write, no logging. A slot index beyond the table maps to a slot whose id cannot
- * match. */
+ * loads (table pointer with acquire, mask and base on one line, the 8-byte slot), a compare,
+ * a shift and an add; no lock, no read-modify-write, no logging. A slot index beyond the table
+ * maps to a slot whose id cannot match. */
 static inline void *sp_handle_resolve(sp_handle_heap *h, sp_handle x) {
     const sp_handle_table *t =
         __atomic_load_n(&((const sp_handle_heap_head *)(const void *)h)->table, __ATOMIC_ACQUIRE);
-    const sp_handle_slot *s = &t->slots[x.id & t->mask];
-    if (__builtin_expect(__atomic_load_n(&s->id, __ATOMIC_RELAXED) != x.id, 0)) return NULL;
-    return __atomic_load_n(&s->ptr, __ATOMIC_RELAXED);
+    uint64_t w = __atomic_load_n(&t->slots[x.id & t->mask].word, __ATOMIC_RELAXED);
+    if (__builtin_expect((uint32_t)w != x.id, 0)) return NULL;
+    return t->base + ((w >> 32) << 4);
 }
 
 #ifdef __cplusplus
