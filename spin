@@ -239,9 +239,9 @@ cmd_test() {
         test_step tsan-tests build-tsan testlog --suite concurrency
     fi
 
-    heading "release: gcc -O3, SP_DEBUG=0 -> suite unit, benchmark smoke"
+    heading "release: gcc -O3, SP_DEBUG=0 -> suites unit, soak, benchmark smoke"
     if build_step release build-release RELEASE_ENV RELEASE_OPTS; then
-        test_step release-tests build-release testlog --suite unit
+        test_step release-tests build-release testlog --suite unit --suite soak
         if has_benchmarks build-release; then
             test_step release-bench-smoke build-release benchlog --benchmark
         else

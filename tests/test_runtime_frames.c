@@ -11,7 +11,7 @@
 #include "test_support.h"
 
 #define MiB ((size_t)1 << 20)
-enum { JOBS = 4, PER_JOB = 8, LIVE = 3 }; /* handle objects live LIVE frames */
+enum { JOBS = 4, PER_JOB = 8, LIVE = 3, BURST = 1500 }; /* handle objects live LIVE frames */
 
 typedef struct lane {
     ts_rng rng;
@@ -20,6 +20,7 @@ typedef struct lane {
     void *heap[PER_JOB]; /* thread-cache blocks to be freed next frame */
     size_t heap_size[PER_JOB];
     sp_handle handles[LIVE][PER_JOB];
+    sp_handle burst[BURST];
     uint64_t frame;
     int bad;
 } lane;
@@ -35,6 +36,10 @@ static void lane_job(void *arg) {
     int li = (int)(l - lanes);
     uint64_t f = l->frame;
     sp_handle_heap *hh = sp_handles();
+    if (f % 2500 == 1) {
+        for (int i = 0; i < BURST; i++) l->burst[i] = sp_handle_alloc(hh, 24, 16);
+        for (int i = 0; i < BURST; i++) l->bad += sp_handle_free(hh, l->burst[i]) != SP_OK;
+    }
     for (int k = 0; k < PER_JOB; k++) {
         /* Last frame's arena data is still valid. */
         if (l->arena_prev[k] &&
@@ -63,7 +68,9 @@ static void lane_job(void *arg) {
         else
             l->bad++;
 
-        /* Handle heap: the object made LIVE frames ago goes, a new one comes. */
+        /* Handle heap: the object made LIVE frames ago goes, a new one comes. Now and then a
+         * burst of short-lived handles makes the table grow from jobs (the old tables are
+         * retired through QSBR and freed by the runtime's reclaimer). */
         sp_handle *slot = &l->handles[f % LIVE][k];
         if (slot->id) {
             uint8_t *p = sp_handle_pin(hh, *slot);
@@ -111,6 +118,7 @@ int main(void) {
         }
         uint64_t persistent = 0;
         size_t moved = 0, overflows = 0;
+        uint64_t retired = 0;
         sp_job_desc jobs[JOBS];
         for (int i = 0; i < JOBS; i++) jobs[i] = (sp_job_desc){.fn = lane_job, .arg = &lanes[i]};
         for (uint32_t f = 0; f < frames; f++) {
@@ -122,6 +130,7 @@ int main(void) {
             sp_frame_stats st;
             sp_frame_stats_last(&st);
             moved += st.handle_moved;
+            retired += st.retired;
             overflows += st.arena_overflows;
         }
         int bad = 0;
@@ -130,6 +139,11 @@ int main(void) {
                frames);
         ok(moved > 0 && overflows == 0, "handle compaction moved %zu bytes; no arena overflow",
            moved);
+        sp_handle_heap_status hg;
+        sp_handle_heap_status_get(sp_handles(), &hg);
+        ok(retired > 0 && hg.table_capacity >= BURST,
+           "the handle table grew from jobs to %u slots; %llu old tables retired through QSBR",
+           hg.table_capacity, (unsigned long long)retired);
 
         /* Free what is left, then two empty frames reclaim both arena buffers. */
         sp_handle_heap *hh = sp_handles();
