@@ -362,9 +362,9 @@ static sp_result jobs_start(void) {
 }
 static void jobs_stop(void) {
     if (sp_rt.jobs) {
+        sp_jobs_shutdown(sp_rt.jobs); /* SP_ERR_SHUTDOWN when sp_shutdown did it already */
         sp_counter_destroy(sp_rt.frame_counter);
         sp_rt.frame_counter = NULL;
-        sp_jobs_shutdown(sp_rt.jobs);
         sp_jobs_destroy(sp_rt.jobs);
         sp_rt.jobs = NULL;
     }
@@ -449,13 +449,11 @@ sp_result sp_shutdown(void) {
                "%u threads are still attached: sp_thread_detach them first", attached);
         return SP_ERR_INVALID_ARG;
     }
-    /* The scheduler first, for its result (SP_ERR_STALLED: jobs abandoned); jobs_stop then
-     * finds it gone and stops the rest of its part. */
-    sp_counter_destroy(sp_rt.frame_counter);
-    sp_rt.frame_counter = NULL;
+    /* The scheduler first: it runs every pending job (frame jobs included) and gives the
+     * result (SP_ERR_STALLED: jobs abandoned). Called from a job it refuses (logged) and
+     * nothing is stopped; jobs_stop later finds it shut down and destroys it. */
     sp_result r = sp_jobs_shutdown(sp_rt.jobs);
-    sp_jobs_destroy(sp_rt.jobs);
-    sp_rt.jobs = NULL;
+    if (r == SP_ERR_INVALID_ARG) return r;
     sp_rt.up = false;
     stop_from(SUBSYSTEMS);
     sp_rt.main_thread = 0;
