@@ -170,9 +170,12 @@ sp_result space_commit(sp_handle_heap *h, char *need) {
 void space_trim(sp_handle_heap *h, size_t max_bytes) {
     size_t used = (size_t)(h->top - h->base);
     size_t slack = (size_t)(h->committed - h->top);
-    size_t hi = used / 64 > ((size_t)32 << 10) ? used / 64 : ((size_t)32 << 10);
+    /* Trim when the slack passes 1/64 of the used part (at least one commit step), down to
+     * 1/128 (the commit step above the top at least): at rest, at most 1/64 of the heap or
+     * one step above the top, and a band between the two against commit/decommit ping-pong. */
+    size_t hi = used / 64 > HCOMMIT_STEP ? used / 64 : HCOMMIT_STEP;
     if (slack <= hi) return;
-    size_t lo = used / 128 > ((size_t)16 << 10) ? used / 128 : ((size_t)16 << 10);
+    size_t lo = used / 128;
     char *c = (char *)sp_align_up((uintptr_t)(h->top + lo), HCOMMIT_STEP);
     if (c >= h->committed) return;
     if ((size_t)(h->committed - c) > max_bytes) c = h->committed - max_bytes;

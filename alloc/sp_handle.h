@@ -199,8 +199,8 @@ size_t sp_handle_size(sp_handle_heap *h, sp_handle x);
  * kept for the searches) would overrun the budget is not started, except the first move of a
  * call (every call makes progress; one move is at most 64 KiB, or one larger block).
  * Afterwards, if 50 us of the budget are left, or the pass finished (it may then overrun by
- * 5% of the budget), or there is no budget, committed memory more than max(32 KiB, used/64)
- * above the top is decommitted down to max(16 KiB, used/128), at most 40 bytes per ns of
+ * 5% of the budget), or there is no budget, committed memory more than max(16 KiB, used/64)
+ * above the top is decommitted down to used/128 (in 16 KiB steps), at most 40 bytes per ns of
  * budget left (2 MiB per 50 us).
  * Cost: steps 1-5 move about the hole's size (a few blocks); step 6 moves everything up to the
  * next hole, up to the heap's size per call when small holes sit below only larger blocks.
