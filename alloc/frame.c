@@ -117,6 +117,7 @@ static bool bit_claim(frame_buffer *b, size_t i) {
 /* Chunk i again, if nobody claimed it this frame and no direct range covers it: a CAS that
  * raises lo past it (a load when it is below lo already), then one atomic or. */
 static bool chunk_sticky(sp_frame_arena *a, frame_buffer *b, size_t i) {
+    if (SP_UNLIKELY(i >= a->chunks)) return false; /* lists hold this arena's claims only */
     uint64_t w = __atomic_load_n(&b->word, __ATOMIC_RELAXED);
     while (word_lo(w) <= i) {
         if ((i + 1) * a->chunk_size > word_hi(w)) return false; /* a direct range took it */
