@@ -231,14 +231,15 @@ static void *alloc_any(sp_frame_arena *a, size_t align, size_t size, const char 
     if (align < 16) align = 16;
     frame_buffer *b = &a->buf[a->current];
     void *p = NULL;
-    if (size <= a->hot.small_max && align <= a->hot.small_max) {
-        /* A plain thread-local access: this function does not suspend, so the address it
-         * computes is the running thread's for the whole call. */
-        sp_frame_chunk *c = &sp_frame_tls[a->hot.slot];
-        if (c->gen == a->hot.gen) p = chunk_bump(c, align, size);
-        /* size + align padding < 2 * small_max <= chunk_size: a fresh chunk always fits. */
-        if (!p && chunk_take(a, b, c)) p = chunk_bump(c, align, size);
-    }
+    /* A plain thread-local access: this function does not suspend, so the address it
+     * computes is the running thread's for the whole call. Any request that fits the rest of
+     * the thread's chunk comes from it (as on the inline path); only small ones take a new
+     * chunk. */
+    sp_frame_chunk *c = &sp_frame_tls[a->hot.slot];
+    if (c->gen == a->hot.gen) p = chunk_bump(c, align, size);
+    /* size + align padding < 2 * small_max <= chunk_size: a fresh chunk always fits. */
+    if (!p && size <= a->hot.small_max && align <= a->hot.small_max && chunk_take(a, b, c))
+        p = chunk_bump(c, align, size);
     if (!p) p = direct_take(a, b, align, size); /* large, or the buffer's last bytes */
     if (SP_UNLIKELY(!p)) return overflow_serve(a, b, align, size, call);
     track_bump(p, size);

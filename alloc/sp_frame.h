@@ -11,7 +11,8 @@
  * ago, if nobody took it yet (one compare-exchange and one atomic or), so in a steady frame
  * loop each thread writes memory its own core wrote last (threads that traded chunks between
  * frames measured several times slower: bench/README.md, frame); otherwise it takes the next
- * free chunk (one atomic add and one atomic or). Requests above chunk_size / 4 (or aligned
+ * free chunk (one atomic add and one atomic or). A request of any size that fits the rest of
+ * the thread's chunk comes from it; one that does not and is above chunk_size / 4 (or aligned
  * above it), and the last bytes of a full buffer, take their own range from the top down (a
  * compare-exchange loop). The calling thread's chunk is found on every call through a fresh
  * thread-pointer read (SP_TLS_FRESH, as the thread caches do), never from an address kept
@@ -90,7 +91,8 @@ typedef struct sp_frame_desc {
                            (0 with a NULL region: buffers * SP_FRAME_DEFAULT_BUFFER) */
     uint32_t buffers;   /* 0: 2; 1..SP_FRAME_MAX_BUFFERS */
     size_t chunk_size;  /* per-thread chunk (0: SP_FRAME_DEFAULT_CHUNK; rounded up to 16, at
-                           least 1 KiB); requests above chunk_size / 4 go to the buffer directly */
+                           least 1 KiB); requests above chunk_size / 4 that do not fit the
+                           rest of the chunk go to the buffer directly */
     sp_frame_overflow overflow;
     /* Fallback for SP_FRAME_OVERFLOW_HEAP (both NULL: posix_memalign / free). align is a power
      * of two >= 16; called from the allocating thread, concurrently. */
@@ -201,10 +203,11 @@ static inline __attribute__((always_inline)) void *sp_frame_alloc(sp_frame_arena
     const sp_frame_hot_ *h = (const sp_frame_hot_ *)(void *)a;
     sp_frame_chunk *c = (sp_frame_chunk *)SP_TLS_FRESH(sp_frame_tls) + h->slot;
     char *p = c->cur;
-    size_t n = (size + 15) & ~(size_t)15;
-    if (__builtin_expect(c->gen == h->gen && size <= h->small_max && n <= (size_t)(c->end - p),
-                         1)) {
-        c->cur = p + n;
+    /* cur and end are 16-aligned, so a size that fits the rest fits once rounded up to 16
+     * (and a size near SIZE_MAX never passes: no overflow to guard against). A request of any
+     * size that fits the chunk's rest is served from it. */
+    if (__builtin_expect(c->gen == h->gen && size <= (size_t)(c->end - p), 1)) {
+        c->cur = p + ((size + 15) & ~(size_t)15);
         return p;
     }
     return sp_frame_alloc_generic(a, 16, size);

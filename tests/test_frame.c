@@ -125,20 +125,23 @@ static void test_chunks(void) {
        "64 blocks of 16 B fill a 1 KiB chunk back to back, the 65th takes the next chunk "
        "(chunks %zu, bytes_used %zu)",
        st.chunks, st.bytes_used);
-    /* 1008 B left in chunk 2: 256 (small_max) fits; 257 goes direct, from the top down. */
+    /* 1008 B left in chunk 2: 256 (small_max) fits, and so does 600 (above small_max, but
+     * within the rest); 500 then does not fit the 144 left: direct, from the top down. */
     const size_t cap = (size_t)1 << 19;
     char *q = sp_frame_alloc(a, 256);
-    char *r = sp_frame_alloc(a, 257);
+    char *q2 = sp_frame_alloc(a, 600);
+    char *r = sp_frame_alloc(a, 500);
     sp_frame_buffer_status_get(a, 0, &st);
-    ok(q == p[64] + 16 && r == p[0] + cap - 272 && st.chunks == 2 && st.bytes_used == 2048 + 272,
-       "256 B (chunk/4) comes from the chunk, 257 B is direct at the buffer's top, padded to "
-       "16 (chunks %zu, bytes_used %zu)",
+    ok(q == p[64] + 16 && q2 == q + 256 && r == p[0] + cap - 512 && st.chunks == 2 &&
+           st.bytes_used == 2048 + 512,
+       "256 B and 600 B come from the chunk's rest, 500 B that does not fit it is direct at the "
+       "buffer's top, padded to 16 (chunks %zu, bytes_used %zu)",
        st.chunks, st.bytes_used);
-    /* A request that does not fit the rest of the chunk takes a new one; the tail is lost. */
-    for (int i = 0; i < 40; i++) sp_frame_alloc(a, 16); /* chunk 2: 16 + 256 + 640 used */
-    char *t = sp_frame_alloc(a, 200);                   /* 112 left: new chunk */
+    /* A small request that does not fit the rest of the chunk takes a new one. */
+    for (int i = 0; i < 5; i++) sp_frame_alloc(a, 16); /* chunk 2: 16 + 256 + 608 + 80 used */
+    char *t = sp_frame_alloc(a, 200);                  /* 64 left: new chunk */
     sp_frame_buffer_status_get(a, 0, &st);
-    ok(t == p[0] + 2048 && st.chunks == 3 && st.bytes_used == 3 * 1024 + 272,
+    ok(t == p[0] + 2048 && st.chunks == 3 && st.bytes_used == 3 * 1024 + 512,
        "a request larger than the chunk's rest takes the next chunk (chunks %zu, bytes_used "
        "%zu)",
        st.chunks, st.bytes_used);
@@ -146,8 +149,8 @@ static void test_chunks(void) {
     char *big = sp_frame_aligned_alloc(a, 4096, 100000);
     sp_frame_buffer_status_get(a, 0, &st);
     size_t off = (size_t)(big - p[0]);
-    ok(big && ((uintptr_t)big & 4095) == 0 && off + 100000 <= cap - 272 &&
-           off + 100000 + 4096 > cap - 272 && st.bytes_used == 3 * 1024 + (cap - off),
+    ok(big && ((uintptr_t)big & 4095) == 0 && off + 100000 <= cap - 512 &&
+           off + 100000 + 4096 > cap - 512 && st.bytes_used == 3 * 1024 + (cap - off),
        "100000 B aligned to 4 KiB is direct, just below the first direct block at a 4 KiB "
        "boundary (bytes_used %zu)",
        st.bytes_used);
