@@ -119,8 +119,11 @@ static bool bit_claim(frame_buffer *b, size_t i) {
 static bool chunk_sticky(sp_frame_arena *a, frame_buffer *b, size_t i) {
     if (SP_UNLIKELY(i >= a->chunks)) return false; /* lists hold this arena's claims only */
     uint64_t w = __atomic_load_n(&b->word, __ATOMIC_RELAXED);
+    /* Below lo too: a fresh claim refused at the end leaves lo above chunks a direct range
+     * covers, so the hi test applies in both cases (hi only comes down to lo * chunk_size). */
+    if ((i + 1) * a->chunk_size > word_hi(w)) return false; /* a direct range took it */
     while (word_lo(w) <= i) {
-        if ((i + 1) * a->chunk_size > word_hi(w)) return false; /* a direct range took it */
+        if ((i + 1) * a->chunk_size > word_hi(w)) return false;
         uint64_t nw = (w & ~LO_MASK) | (uint64_t)(i + 1);
         if (__atomic_compare_exchange_n(&b->word, &w, nw, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
             break;
@@ -229,6 +232,8 @@ static void *alloc_any(sp_frame_arena *a, size_t align, size_t size, const char 
         return NULL;
     }
     if (align < 16) align = 16;
+    if (SP_UNLIKELY(align > a->capacity))
+        return overflow_serve(a, &a->buf[a->current], align, size, call);
     frame_buffer *b = &a->buf[a->current];
     void *p = NULL;
     /* A plain thread-local access: this function does not suspend, so the address it
@@ -246,7 +251,10 @@ static void *alloc_any(sp_frame_arena *a, size_t align, size_t size, const char 
     return p;
 }
 
-void *sp_frame_alloc_generic(sp_frame_arena *a, size_t align, size_t size) {
+/* noinline: alloc_any reads the thread's chunk through a plain thread-local address, right
+ * only while no fiber switch can come between (this call never suspends; inlined into a
+ * caller that does, the address could be kept across the switch). */
+SP_NOINLINE void *sp_frame_alloc_generic(sp_frame_arena *a, size_t align, size_t size) {
     return alloc_any(a, align, size, align == 16 ? "sp_frame_alloc" : "sp_frame_aligned_alloc");
 }
 

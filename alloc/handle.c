@@ -21,8 +21,25 @@ static uint32_t id_gen(const sp_handle_heap *h, uint32_t id) {
     return id >> h->index_bits;
 }
 
+static _Thread_local char self_tag;
+
+const char *handle_self(void) {
+    return &self_tag;
+}
+
+/* The caller is the compacting thread (a relocation callback). */
 static bool heap_busy(const sp_handle_heap *h) {
-    return __atomic_load_n(&h->compacting, __ATOMIC_RELAXED) != 0;
+    return __atomic_load_n(&h->compactor, __ATOMIC_RELAXED) == handle_self();
+}
+
+bool heap_lock(sp_handle_heap *h) {
+    if (heap_busy(h)) return false;
+    sp_mutex_lock(&h->lock);
+    return true;
+}
+
+void heap_unlock(sp_handle_heap *h, bool locked) {
+    if (locked) sp_mutex_unlock(&h->lock);
 }
 
 static sp_handle_table *table_make(sp_handle_heap *h, uint32_t cap, const sp_handle_table *old) {
@@ -264,28 +281,32 @@ TRACK_INTERNAL sp_result sp_handle_free(sp_handle_heap *h, sp_handle x) {
     return SP_OK;
 }
 
+/* Pin and unpin take the lock: a free of the same handle (which checks the pin count under
+ * it) then either sees the pin or happens first, and the pin sees the handle dead. Without
+ * it a pin could land on a block being freed, or on whatever reuses its header. */
 TRACK_INTERNAL void *sp_handle_pin(sp_handle_heap *h, sp_handle x) {
+    if (!h) return NULL;
+    track_enter();
+    bool locked = heap_lock(h);
     void *p = sp_handle_resolve(h, x);
-    if (p) {
-        track_enter();
-        __atomic_fetch_add(&blk_of(p)->pins, 1, __ATOMIC_ACQ_REL);
-        track_leave();
-    }
+    if (p) __atomic_fetch_add(&blk_of(p)->pins, 1, __ATOMIC_RELAXED);
+    heap_unlock(h, locked);
+    track_leave();
     return p;
 }
 
 TRACK_INTERNAL sp_result sp_handle_unpin(sp_handle_heap *h, sp_handle x) {
+    if (!h) return sp_misuse(SP_ERR_INVALID_ARG, "sp_handle_unpin", NULL, "NULL heap");
+    track_enter();
+    bool locked = heap_lock(h);
     void *p = sp_handle_resolve(h, x);
+    uint32_t v = p ? __atomic_load_n(&blk_of(p)->pins, __ATOMIC_RELAXED) : 0;
+    if (v) __atomic_store_n(&blk_of(p)->pins, v - 1, __ATOMIC_RELAXED);
+    heap_unlock(h, locked);
+    track_leave();
     if (!p)
         return sp_misuse(SP_ERR_STALE_HANDLE, "sp_handle_unpin", (void *)(uintptr_t)x.id,
                          "handle 0x%x is stale or forged", x.id);
-    uint32_t *pins = &blk_of(p)->pins;
-    track_enter();
-    uint32_t v = __atomic_load_n(pins, __ATOMIC_RELAXED);
-    while (v != 0 && !__atomic_compare_exchange_n(pins, &v, v - 1, true, __ATOMIC_ACQ_REL,
-                                                  __ATOMIC_RELAXED)) {
-    }
-    track_leave();
     if (v == 0)
         return sp_misuse(SP_ERR_NOT_PINNED, "sp_handle_unpin", p, "handle 0x%x is not pinned",
                          x.id);
@@ -293,11 +314,11 @@ TRACK_INTERNAL sp_result sp_handle_unpin(sp_handle_heap *h, sp_handle x) {
 }
 
 size_t sp_handle_size(sp_handle_heap *h, sp_handle x) {
-    if (!h || !sp_handle_resolve(h, x)) return 0;
-    sp_mutex_lock(&h->lock);
+    if (!h) return 0;
+    bool locked = heap_lock(h);
     uint32_t i = id_index(h, x.id);
-    size_t n = i < h->slots_used && slot_id(slot_at(h, i)) == x.id ? h->cold[i].size : 0;
-    sp_mutex_unlock(&h->lock);
+    size_t n = x.id && i < h->slots_used && slot_id(slot_at(h, i)) == x.id ? h->cold[i].size : 0;
+    heap_unlock(h, locked);
     return n;
 }
 
@@ -305,7 +326,7 @@ void sp_handle_heap_status_get(sp_handle_heap *h, sp_handle_heap_status *out) {
     memset(out, 0, sizeof *out);
     if (!h) return;
     track_enter();
-    sp_mutex_lock(&h->lock);
+    bool locked = heap_lock(h);
     out->live_bytes = h->live_bytes;
     out->live_handles = h->live_handles;
     out->needed_bytes = h->need_bytes;
@@ -326,7 +347,7 @@ void sp_handle_heap_status_get(sp_handle_heap *h, sp_handle_heap_status *out) {
     out->compact_ns_last = h->compact_ns_last;
     out->retired_slots = h->retired_slots;
     out->caught_up = h->caught_up;
-    sp_mutex_unlock(&h->lock);
+    heap_unlock(h, locked);
     track_leave();
 }
 

@@ -13,7 +13,7 @@
 TRACK_INTERNAL sp_result sp_handle_heap_check(sp_handle_heap *h) {
     sp_result r = SP_OK;
     track_enter();
-    sp_mutex_lock(&h->lock);
+    bool locked = heap_lock(h);
     size_t need = 0, holes = 0, live = 0, nlive = 0, nholes = 0;
     uint32_t prev = 0;
     bool prev_free = false;
@@ -69,7 +69,7 @@ TRACK_INTERNAL sp_result sp_handle_heap_check(sp_handle_heap *h) {
     }
     CHECK(slots_live == nlive, h, "%zu live slots, %zu live blocks", slots_live, nlive);
 out:
-    sp_mutex_unlock(&h->lock);
+    heap_unlock(h, locked);
     track_leave();
     return r;
 }

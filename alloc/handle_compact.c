@@ -1,6 +1,7 @@
 /* Handle heap compaction: close holes from the bottom up by moving unpinned blocks down,
  * within a time budget, resuming where the previous call stopped. Runs alone (between
- * frames): takes no lock; alloc and free are refused while it runs (the `compacting` flag). */
+ * frames): holds the heap lock for the whole call, so other threads' calls wait; the compacting
+ * thread's own alloc and free (from relocation callbacks) are refused (`compactor`). */
 #include <stddef.h>
 #include <string.h>
 
@@ -335,6 +336,8 @@ TRACK_INTERNAL static int hole_evacuate(sp_handle_heap *h, step *st, hblk *H) {
     }
     space_header(h, H, (uint32_t)merged, H->prev);
     space_hole_insert(h, H);
+    /* n's relocation callback may have pinned m: then m stays, the hole waits. */
+    if (__atomic_load_n(&m->pins, __ATOMIC_RELAXED)) return HOLE_MOVED;
     hole_put(h, st, H, m);
     return HOLE_MOVED;
 }
@@ -398,13 +401,16 @@ TRACK_INTERNAL sp_result sp_handle_compact(sp_handle_heap *h, uint64_t budget_ns
                                            sp_handle_compact_stats *out) {
     if (out) memset(out, 0, sizeof *out);
     if (!h) return sp_misuse(SP_ERR_INVALID_ARG, "sp_handle_compact", NULL, "NULL heap");
-    if (__atomic_load_n(&h->compacting, __ATOMIC_RELAXED))
+    if (__atomic_load_n(&h->compactor, __ATOMIC_RELAXED) == handle_self())
         return sp_misuse(SP_ERR_BUSY, "sp_handle_compact", h,
                          "compaction called from a relocation callback");
     if (h->desc.may_compact && !h->desc.may_compact(h->desc.may_compact_user))
         return sp_misuse(SP_ERR_BUSY, "sp_handle_compact", h,
                          "compaction refused: jobs may be running (may_compact said no)");
-    __atomic_store_n(&h->compacting, 1, __ATOMIC_RELAXED);
+    /* The lock for the whole call: any other thread's alloc, free, pin or unpin waits (and
+     * then sees the blocks where they are now) instead of racing the moves. */
+    sp_mutex_lock(&h->lock);
+    __atomic_store_n(&h->compactor, handle_self(), __ATOMIC_RELAXED);
     track_enter();
     step st = {.t0 = sp_ticks()};
     if (budget_ns) {
@@ -456,7 +462,8 @@ TRACK_INTERNAL sp_result sp_handle_compact(sp_handle_heap *h, uint64_t budget_ns
     h->moved_total += st.moved;
     h->compact_ns_last = ns;
     track_leave();
-    __atomic_store_n(&h->compacting, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&h->compactor, NULL, __ATOMIC_RELAXED);
+    sp_mutex_unlock(&h->lock);
     if (out) {
         out->bytes_moved = st.moved;
         out->blocks_moved = st.blocks;

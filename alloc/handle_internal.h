@@ -77,9 +77,13 @@ struct sp_handle_heap {
     uint64_t live_bitmap[HCLASSES / 64];
     uint32_t live_lists[HCLASSES];
     /* compaction */
-    int compacting; /* atomic flag: a compaction call is running (callbacks included) */
-    char *scan;     /* the current pass continues here (a block start, or >= top) */
-    char *low;      /* lowest hole left behind the scan this pass, or NULL */
+    /* atomic: the compacting thread's handle_self address while a compaction call runs
+     * (callbacks included), NULL otherwise. Compaction holds `lock` meanwhile: other threads'
+     * alloc, free, pin, unpin, size and status wait; the compacting thread's own calls (from
+     * callbacks) must not take it. */
+    const char *compactor;
+    char *scan; /* the current pass continues here (a block start, or >= top) */
+    char *low;  /* lowest hole left behind the scan this pass, or NULL */
     bool caught_up;
     double bytes_per_tick; /* measured move bandwidth, for the budget estimate */
     double ns_per_tick;
@@ -103,12 +107,22 @@ SP_INLINE hblk *blk_of(const void *p) {
 SP_INLINE size_t units_bytes(uint32_t u) {
     return (size_t)u << HUNIT_SHIFT;
 }
-/* Units a block of `size` bytes needs (header included); 0 if it cannot be represented. */
+/* Units a block of `size` bytes needs (header included); 0 if it cannot be represented, with
+ * room left for the largest alignment pad (block_take adds it in 32 bits). */
 SP_INLINE uint32_t units_for(size_t size) {
     if (size > HMAX_REGION) return 0;
-    size_t u = (size + HUNIT - 1) / HUNIT + 1;
+    uint64_t u = ((uint64_t)size + HUNIT - 1) / HUNIT + 1;
+    if (u > UINT32_MAX - (HMAX_ALIGN / HUNIT + HMIN_UNITS)) return 0;
     return u < HMIN_UNITS ? HMIN_UNITS : (uint32_t)u;
 }
+
+/* The calling thread's identity for `compactor` (the address of a thread-local: read anew in
+ * every call, which never suspends). */
+SP_HIDDEN const char *handle_self(void);
+/* Lock h unless the caller is the compacting thread (which holds it already); returns
+ * whether it locked, for heap_unlock. */
+SP_HIDDEN bool heap_lock(sp_handle_heap *h);
+SP_HIDDEN void heap_unlock(sp_handle_heap *h, bool locked);
 
 /* Size class of u units (u >= 2): exact below 16, then 8 classes per doubling. */
 SP_HIDDEN unsigned space_class(uint64_t u);

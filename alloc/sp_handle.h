@@ -29,17 +29,21 @@
  * between frames and supplies the QSBR retire.
  *
  * Concurrency:
- *   sp_handle_resolve, pin, unpin          any thread, concurrently with each other and with
- *                                          alloc/free; no lock (resolve: loads only; pin: one
- *                                          atomic add, unpin one compare-and-swap, on the block
- *                                          header)
- *   sp_handle_alloc, alloc_ex, free, size  any thread, concurrently with each other and the
- *                                          above; one internal lock (sp_mutex) held for the
- *                                          free-list and slot update (and table growth)
+ *   sp_handle_resolve                      any thread, concurrently with everything but
+ *                                          compaction (which moves blocks); no lock, loads only
+ *   sp_handle_alloc, alloc_ex, free, pin,  any thread, concurrently with each other and with
+ *   unpin, size                            resolve; one internal lock (sp_mutex) held for the
+ *                                          free-list and slot update (and table growth), and
+ *                                          by pin/unpin for the pin count (so a pin and a free
+ *                                          of the same handle are ordered: the pin sees the
+ *                                          handle dead, or the free sees the pin)
  *   sp_handle_heap_status_get, _check      any thread; take the lock; exact
- *   sp_handle_compact                      NOT concurrently with any other call: between
- *                                          frames. desc.may_compact is asked first and a
- *                                          "no" refuses the call (SP_ERR_BUSY)
+ *   sp_handle_compact                      one call at a time, between frames (the caller
+ *                                          guarantees no resolve or resolved pointer is in
+ *                                          use elsewhere); holds the lock for the whole call,
+ *                                          so other threads' alloc, free, pin, unpin, size and
+ *                                          status wait for it. desc.may_compact is asked
+ *                                          first and a "no" refuses the call (SP_ERR_BUSY)
  *   sp_handle_heap_create / destroy        alone
  * Handle-table growth (alloc, under the lock) copies the table, publishes the copy with a
  * release store and hands the old one to desc.retire: a reader that loaded the old table
@@ -91,9 +95,10 @@ typedef struct sp_handle_heap_desc {
     uint32_t max_handles; /* live + retired slots, at most 2^24 (8 generation bits remain);
                              0: 2^20 */
     /* Retiring an old handle table after growth: retire(user, old, free_fn) must call
-     * free_fn(old) once no reader can still hold it (the runtime passes liburcu QSBR
-     * call_rcu). NULL: old tables are kept until destroy; the table doubles, so they add up
-     * to less than the final table. Called under the heap lock: must not call the heap. */
+     * free_fn(old) once no reader can still hold it (the runtime passes sp_retire: a liburcu
+     * QSBR grace period). NULL: old tables are kept until destroy; the table doubles, so they
+     * add up to less than the final table. Called under the heap lock: must neither call the
+     * heap nor wait (for a grace period, say). */
     void (*retire)(void *user, void *old, void (*free_fn)(void *));
     void *retire_user;
     /* Asked at the start of every compaction call; false refuses it with SP_ERR_BUSY (the
@@ -161,11 +166,12 @@ sp_handle sp_handle_alloc_ex(sp_handle_heap *h, size_t size, size_t align, sp_ha
 sp_result sp_handle_free(sp_handle_heap *h, sp_handle x);
 
 /* Pin: the pointer stays valid until the matching unpin (pins nest: n pins need n unpins).
- * Any thread, no lock: resolve + one atomic add. NULL for a stale or forged handle (not
- * logged). */
+ * Any thread; takes the heap lock (uncontended: ~20 ns; it waits for a compaction step in
+ * progress). NULL for a stale or forged handle, or one freed meanwhile (not logged). From a
+ * relocation callback it does not lock (the compacting thread holds the lock). */
 void *sp_handle_pin(sp_handle_heap *h, sp_handle x);
 
-/* Drop one pin. Any thread, no lock (one compare-and-swap). SP_OK; SP_ERR_STALE_HANDLE or
+/* Drop one pin. Any thread; takes the heap lock (as pin). SP_OK; SP_ERR_STALE_HANDLE or
  * SP_ERR_NOT_PINNED (misuse; nothing changes). */
 sp_result sp_handle_unpin(sp_handle_heap *h, sp_handle x);
 

@@ -88,6 +88,13 @@ static void abandon_waiters(sp_jobs *s) {
     sp_mutex_unlock(&s->counter_lock);
 }
 
+bool sp_jobs_idle(sp_jobs *s) {
+    /* As in jobs_drain_check: `returned` before `taken`, so that equal sums mean that between
+     * the two reads nothing was live (a record is taken before the job it carries exists). */
+    uint64_t done = SUM(s, returned);
+    return SUM(s, taken) + atomic_load(&s->ext_taken) == done;
+}
+
 /* Main thread's loop, while shutdown drains and nothing is left to run here: finished when
  * every job record is back, or stuck when what is left only waits on counters and nothing ran
  * for a while. Every live job, piece or deferred batch holds a record, and a job takes the

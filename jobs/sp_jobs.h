@@ -199,6 +199,13 @@ uint32_t sp_jobs_worker_id(void);
 /* Figures since create. Any thread; each field is read atomically, the set is not a snapshot. */
 void sp_jobs_status_get(sp_jobs *s, sp_jobs_status *out);
 
+/* Whether nothing was live at one moment during the call: no job, batch piece, parked job or
+ * deferred batch submitted and not yet finished (job records taken and returned balance; the
+ * counts are read in the order that makes a balance mean it). A job still running makes it
+ * false. Any thread; cost: O(workers) atomic loads. Use it where jobs must not overlap a step
+ * (the runtime's between-frames compaction), not to wait (poll nothing in a job). */
+bool sp_jobs_idle(sp_jobs *s);
+
 /* A counter at 0, named for messages (the name must outlive the counter; NULL allowed).
  * Any thread. Returns NULL when out of memory or after shutdown. */
 sp_counter *sp_counter_create(sp_jobs *s, const char *name);

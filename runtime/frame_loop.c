@@ -19,15 +19,17 @@ static uint64_t jobs_run(void) {
     return js.jobs_run;
 }
 
+/* Between frames on the main thread with no job live. Asked once by between_frames, which
+ * then lets the heap's own call through (`compact_gate`); asked by the heap for a direct
+ * sp_handle_compact call. */
+static bool may_compact_now(void) {
+    return sp_rt.up && !sp_rt.in_frame && sp_thread_os_id() == sp_rt.main_thread &&
+           sp_jobs_idle(sp_rt.jobs);
+}
+
 bool rt_may_compact(void *user) {
     (void)user;
-    if (!sp_rt.up || sp_rt.in_frame || sp_thread_os_id() != sp_rt.main_thread) return false;
-    /* No job in flight: jobs_submitted is read first, so a job submitted meanwhile (by a
-     * thread that is not the main one: against the rules between frames) shows as in flight
-     * only if it was counted; jobs from the main thread cannot be submitted while it is here. */
-    sp_jobs_status js;
-    sp_jobs_status_get(sp_rt.jobs, &js);
-    return js.jobs_run >= js.jobs_submitted;
+    return sp_rt.compact_gate || may_compact_now();
 }
 
 sp_result sp_frame_begin(void) {
@@ -49,21 +51,28 @@ static void between_frames(sp_frame_stats *st) {
     uint64_t t0 = sp_time_ns(), budget = sp_rt.desc.between_budget_ns;
     st->trimmed_bytes = sp_tcache_trim();
     atomic_fetch_add_explicit(&sp_rt.trim_epoch, 1, memory_order_relaxed);
-    for (uint32_t i = 0; i < sp_rt.between_count; i++) {
+    /* A copy: a work may add or remove works (itself included) while it runs. */
+    between_work works[BETWEEN_MAX];
+    uint32_t n = sp_rt.between_count;
+    memcpy(works, sp_rt.between, n * sizeof works[0]);
+    for (uint32_t i = 0; i < n; i++) {
         uint64_t spent = sp_time_ns() - t0;
         if (spent >= budget) {
             st->between_skipped++;
             continue;
         }
-        sp_rt.between[i].fn(sp_rt.between[i].user, budget - spent);
+        works[i].fn(works[i].user, budget - spent);
     }
     uint64_t spent = sp_time_ns() - t0;
     /* Jobs on counters of the caller's own may still run (background work across frames):
-     * then compaction waits for a later frame instead of being refused as misuse. */
-    if (spent < budget && rt_may_compact(NULL)) {
+     * then compaction waits for a later frame instead of being refused as misuse. Asked once:
+     * the heap's own may_compact then lets the call through. */
+    if (spent < budget && may_compact_now()) {
         sp_handle_compact_stats cs;
+        sp_rt.compact_gate = true;
         if (sp_handle_compact(sp_rt.handles, budget - spent, &cs) == SP_OK)
             st->handle_moved = cs.bytes_moved;
+        sp_rt.compact_gate = false;
     } else {
         st->between_skipped++;
     }

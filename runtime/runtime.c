@@ -125,18 +125,15 @@ sp_result sp_retire(void *p, void (*free_fn)(void *)) {
     return SP_OK;
 }
 
-/* The handle heap's retire hook. */
+/* The handle heap's retire hook; it runs under the heap's lock, so it must never wait for a
+ * grace period (an online thread blocked on that lock would never pass a quiescent state).
+ * Without memory for the record, the old table is kept for good (logged): tables grow by
+ * doubling, so what is kept stays below the live table's size. */
 static void handle_retire(void *user, void *old, void (*free_fn)(void *)) {
     (void)user;
-    if (sp_retire(old, free_fn) != SP_OK) {
-        /* No memory for the record: wait for the grace period here (rare, slow, correct). */
-        bool online = tls_qsbr;
-        if (online) qsbr_offline();
-        urcu_qsbr_synchronize_rcu();
-        QSBR_ACQUIRE();
-        if (online) qsbr_online();
-        free_fn(old);
-    }
+    if (sp_retire(old, free_fn) != SP_OK)
+        sp_log(SP_LOG_WARN, SP_ERR_NOMEM, "sp_retire", old,
+               "no memory to retire an old handle table: kept until the process ends");
 }
 
 /* ---- scheduler hooks: the desc's own, plus the runtime's QSBR duties --------------------- */
@@ -213,6 +210,10 @@ static sp_result desc_fill(const sp_desc *in, sp_desc *d) {
     if (d->frame_buffers > 4)
         return sp_misuse(SP_ERR_INVALID_ARG, "sp_init", in, "frame_buffers %u is above 4",
                          d->frame_buffers);
+    const size_t max = (size_t)1 << 46; /* 64 TiB a region: sums and roundings cannot wrap */
+    if (d->heap_size > max || d->frame_size > max || d->handle_size > max ||
+        d->persistent_size > max)
+        return sp_misuse(SP_ERR_OVERFLOW, "sp_init", in, "a region size is above 64 TiB");
     uint64_t mem = sp_memory_size();
     if (!mem) mem = 4 * (uint64_t)GiB;
     if (!d->heap_size) d->heap_size = clamp_size(mem / 2, 256 * MiB, 64 * GiB);

@@ -66,6 +66,7 @@ typedef struct runtime {
     uint64_t retired_t0;
     bool have_last;
     sp_frame_stats last;
+    bool compact_gate; /* between_frames asked already: the heap's may_compact says yes */
     between_work between[BETWEEN_MAX];
     uint32_t between_count;
 } runtime;

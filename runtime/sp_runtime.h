@@ -18,22 +18,36 @@
  * Quiescent states (liburcu QSBR, for structures retired with sp_retire, e.g. the handle
  * table after it grew): worker threads report one after every job and whenever a job parks,
  * go offline while they sleep, and the main thread reports one in every sp_frame_end. A
- * non-worker thread that calls into the handle heap must sp_thread_attach first, report
- * quiescent states with sp_thread_quiescent now and then (say once per loop iteration) and
- * sp_thread_detach before it exits. Retired memory is freed by liburcu's call_rcu thread
- * once every registered thread has passed a quiescent state; nothing waits for it in a frame.
+ * runtime thread (the reclaimer, started by sp_init) frees what was retired once every
+ * registered thread has passed one; nothing waits for it in a frame.
+ *
+ * Threads that are not workers: sp_thread_attach gives one a thread cache and registers it
+ * for QSBR; it reports quiescent states with sp_thread_quiescent now and then (a thread that
+ * never does delays reclamation, never a frame) and must sp_thread_detach before it exits
+ * and before sp_shutdown. Such a thread is not ordered with the frame loop, so: the frame
+ * arena is not for it (a buffer is reclaimed under it), and in the handle heap it uses
+ * alloc, free, pin and unpin, not bare resolve (a compaction step may move a resolved block
+ * at any time; it holds the heap lock, so alloc, free, pin and unpin wait for it, and a
+ * pinned block never moves).
  *
  * Concurrency:
  *   sp_init, sp_shutdown, sp_frame_begin, sp_frame_end,      the main thread (the one that
  *   sp_frame_stats_last, sp_between_frames_add/_remove        called sp_init), outside jobs
- *   sp_arena_alloc, sp_arena_aligned_alloc, sp_submit,       any job or attached thread,
- *   sp_persistent_alloc, sp_retire, sp_region_of,            any time between init and
- *   sp_scheduler, sp_handles, sp_frames, sp_frame_counter    shutdown
+ *   sp_arena_alloc, sp_arena_aligned_alloc                   jobs that finish before the
+ *                                                            frame's sp_frame_end returns
+ *                                                            (the frame counter's, and jobs
+ *                                                            they wait for), and the main
+ *                                                            thread during a frame
+ *   sp_submit, sp_persistent_alloc, sp_retire,               any job, the main thread or an
+ *   sp_region_of, sp_scheduler, sp_handles, sp_frames,       attached thread, any time
+ *   sp_frame_counter                                         between init and shutdown
  *   sp_thread_attach, sp_thread_detach,                      a thread that is not a worker;
- *   sp_thread_quiescent                                      attach/detach in pairs
- * Frame arena memory may be allocated only while a frame's jobs run or on the main thread,
- * never while sp_frame_end flips the buffers (the frame's jobs are done by then; jobs on
- * counters of your own must be finished before sp_frame_end too).
+ *   sp_thread_quiescent                                      attach/detach in pairs (not
+ *                                                            racing sp_shutdown)
+ * Frame arena memory must not be allocated while sp_frame_end flips the buffers: jobs on
+ * counters of your own that outlive a frame may use the thread caches and the handle heap,
+ * not the arena. Handle-heap compaction in sp_frame_end waits for a later frame while any
+ * job is live (sp_jobs_idle).
  *
  * Errors: calls before sp_init or after sp_shutdown, sp_init twice and sp_shutdown twice are
  * logged (SP_ERR_SHUTDOWN / SP_ERR_INVALID_ARG) and return an error or NULL; they never abort.
@@ -171,9 +185,9 @@ sp_region sp_region_of(const void *p);
  * a bad alignment or before init. */
 void *sp_persistent_alloc(size_t size, size_t align);
 
-/* Call free_fn(p) once no registered thread can still hold p (after a QSBR grace period).
- * Any registered thread (a job, the main thread, an attached thread). Cost: one small
- * allocation and a wait-free enqueue. Returns SP_OK, SP_ERR_NOMEM or SP_ERR_SHUTDOWN. */
+/* Call free_fn(p) once no registered thread can still hold p (after a QSBR grace period),
+ * on the runtime's reclaimer thread. Any thread. Cost: one small allocation and a lock-free
+ * push (a CAS loop). Returns SP_OK, SP_ERR_NOMEM or SP_ERR_SHUTDOWN. */
 sp_result sp_retire(void *p, void (*free_fn)(void *));
 
 /* The subsystems, for their own APIs (stable between sp_init and sp_shutdown; NULL outside). */
