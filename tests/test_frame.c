@@ -393,6 +393,19 @@ static void test_slots(void) {
 /* ---- misuse ------------------------------------------------------------------------------- */
 
 static void test_misuse(void) {
+    {
+        /* An alignment larger than a buffer cannot be served: an overflow, and the thread's
+         * chunk is left as it was. */
+        sp_frame_arena *x = make(2, 1u << 20, 1024, SP_FRAME_OVERFLOW_NULL);
+        char *c0 = sp_frame_alloc(x, 16);
+        ts_log_capture();
+        void *huge = sp_frame_aligned_alloc(x, (size_t)1 << 63, PTRDIFF_MAX);
+        ts_log_release();
+        char *c1 = sp_frame_alloc(x, 16);
+        ok(huge == NULL && c1 == c0 + 16,
+           "aligned_alloc(2^63, PTRDIFF_MAX): NULL, the chunk untouched");
+        sp_frame_arena_destroy(x);
+    }
     ts_log_capture();
     sp_frame_arena *a = make(2, 1u << 20, 4096, SP_FRAME_OVERFLOW_NULL);
     void *p = sp_frame_aligned_alloc(a, 48, 10);
@@ -616,7 +629,7 @@ static void test_sticky(void) {
 }
 
 int main(void) {
-    plan(43);
+    plan(44);
     for (uint32_t n = 1; n <= 4; n++) test_lifetime(n);
     test_alignment();
     test_chunks();

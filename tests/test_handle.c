@@ -346,7 +346,26 @@ static void test_region(void) {
     sp_vm_release(region, size);
 }
 
+/* Sizes whose unit count would wrap 32 bits (with the alignment pad) are refused, not turned
+ * into tiny blocks. */
+static void test_huge(void) {
+    sp_handle_heap *h = sp_handle_heap_create(NULL, NULL);
+    ts_log_capture();
+    sp_handle a = sp_handle_alloc(h, (size_t)64 << 30, 16);
+    sp_handle b = sp_handle_alloc(h, ((size_t)64 << 30) - 3200, 4096);
+    sp_handle c = sp_handle_alloc(h, SIZE_MAX, 16);
+    int logged = ts_logged.count;
+    ts_log_release();
+    sp_handle_heap_status st;
+    sp_handle_heap_status_get(h, &st);
+    ok(!a.id && !b.id && !c.id && logged == 3 && st.live_handles == 0 && st.used_bytes == 0 &&
+           sp_handle_heap_check(h) == SP_OK,
+       "64 GiB, 64 GiB - 3200 aligned to 4 KiB and SIZE_MAX: refused (logged), heap intact");
+    sp_handle_heap_destroy(h);
+}
+
 int main(void) {
+    test_huge();
     test_basics();
     test_generations();
     test_growth();

@@ -276,6 +276,12 @@ static void work_b(void *user, uint64_t budget) {
     order[order_n++] = *(int *)user;
 }
 
+static void work_once(void *user, uint64_t budget) {
+    (void)budget;
+    order[order_n++] = 9;
+    sp_between_frames_remove(work_once, user);
+}
+
 static atomic_int freed;
 static void count_free(void *p) {
     free(p);
@@ -323,6 +329,16 @@ static void test_between(void) {
     sp_frame_end();
     ok(order_n == 1 && order[0] == 2, "a removed work no longer runs");
     sp_between_frames_remove(work_b, &two);
+    /* A work that removes itself: the one after it still runs that frame. */
+    static int three = 3;
+    sp_between_frames_add("once", work_once, NULL);
+    sp_between_frames_add("b", work_b, &three);
+    order_n = 0;
+    sp_frame_begin();
+    sp_frame_end();
+    ok(order_n == 2 && order[0] == 9 && order[1] == 3,
+       "a work that removes itself does not make the next one skip the frame");
+    sp_between_frames_remove(work_b, &three);
 
     /* Compaction between frames: holes left by frees are closed. */
     sp_handle_heap *hh = sp_handles();
