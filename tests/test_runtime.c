@@ -13,14 +13,7 @@
 #define MiB ((size_t)1 << 20)
 
 static sp_desc small_desc(uint32_t workers) {
-    sp_desc d = {0};
-    d.heap_size = 64 * MiB;
-    d.frame_size = 2 * MiB;
-    d.handle_size = 16 * MiB;
-    d.persistent_size = 2 * MiB;
-    d.jobs.workers = workers;
-    d.jobs.no_workers = workers == 0;
-    return d;
+    return ts_small_desc(workers, 16);
 }
 
 static void test_before_init(void) {

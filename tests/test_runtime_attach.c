@@ -10,7 +10,6 @@
 #include "spindle.h"
 #include "test_support.h"
 
-#define MiB ((size_t)1 << 20)
 enum { M = 256 };
 
 static atomic_bool stop;
@@ -51,12 +50,7 @@ static void *attached(void *arg) {
 }
 
 int main(void) {
-    sp_desc d = {0};
-    d.heap_size = 64 * MiB;
-    d.frame_size = 2 * MiB;
-    d.handle_size = 64 * MiB;
-    d.persistent_size = 2 * MiB;
-    d.jobs.workers = 1;
+    sp_desc d = ts_small_desc(1, 64);
     if (sp_init(&d) != SP_OK) {
         ok(0, "init");
         return done();

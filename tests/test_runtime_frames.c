@@ -10,7 +10,6 @@
 #include "spindle.h"
 #include "test_support.h"
 
-#define MiB ((size_t)1 << 20)
 enum { JOBS = 4, PER_JOB = 8, LIVE = 3, BURST = 1500 }; /* handle objects live LIVE frames */
 
 typedef struct lane {
@@ -96,12 +95,7 @@ static void trim_job(void *arg) {
 int main(void) {
     uint32_t frames = ts_sanitized() ? 10000 : 10000;
     for (uint32_t workers = 1; workers <= 2; workers++) {
-        sp_desc d = {0};
-        d.heap_size = 64 * MiB;
-        d.frame_size = 2 * MiB;
-        d.handle_size = 32 * MiB;
-        d.persistent_size = 2 * MiB;
-        d.jobs.workers = workers;
+        sp_desc d = ts_small_desc(workers, 32);
         if (sp_init(&d) != SP_OK) {
             ok(0, "init");
             return done();

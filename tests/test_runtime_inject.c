@@ -74,20 +74,8 @@ static int thread_count(void) {
     return n;
 }
 
-#define MiB ((size_t)1 << 20)
-
-static sp_desc desc(void) {
-    sp_desc d = {0};
-    d.heap_size = 64 * MiB;
-    d.frame_size = 2 * MiB;
-    d.handle_size = 16 * MiB;
-    d.persistent_size = 2 * MiB;
-    d.jobs.workers = 2;
-    return d;
-}
-
 int main(void) {
-    sp_desc d = desc();
+    sp_desc d = ts_small_desc(2, 16);
     /* Warm up (one-time set-up in the C library and the sanitizers), then count a clean init. */
     if (sp_init(&d) != SP_OK || sp_shutdown() != SP_OK) {
         ok(0, "a clean init and shutdown");

@@ -260,3 +260,17 @@ uint64_t ts_scaled(uint64_t n, uint64_t div) {
     uint64_t s = n / div;
     return s ? s : (n ? 1 : 0);
 }
+
+/* ---- runtime ----------------------------------------------------------------------------- */
+
+sp_desc ts_small_desc(uint32_t workers, size_t handle_mib) {
+    const size_t mib = (size_t)1 << 20;
+    sp_desc d = {0};
+    d.heap_size = 64 * mib;
+    d.frame_size = 2 * mib;
+    d.handle_size = handle_mib * mib;
+    d.persistent_size = 2 * mib;
+    d.jobs.workers = workers;
+    d.jobs.no_workers = workers == 0;
+    return d;
+}

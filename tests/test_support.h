@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "sp_log.h"
+#include "sp_runtime.h"
 #include "tap.h"
 
 /* Capturing logger: records the last message and counts per id. */
@@ -54,5 +55,10 @@ uint64_t ts_rng_range(ts_rng *r, uint64_t lo, uint64_t hi);
 bool ts_sanitized(void);
 /* n, divided by `div` when sanitized. */
 uint64_t ts_scaled(uint64_t n, uint64_t div);
+
+/* A runtime desc with small regions (central heap 64 MiB, frame buffers 2 MiB, handle heap
+ * `handle_mib` MiB, persistent region 2 MiB) and `workers` background workers (0: none, every
+ * job on the main thread). */
+sp_desc ts_small_desc(uint32_t workers, size_t handle_mib);
 
 #endif
