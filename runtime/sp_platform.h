@@ -71,7 +71,7 @@ uint32_t sp_cpu_count(void);
 /* Bytes of physical memory (sysconf), 0 when unknown. One system call per call. */
 uint64_t sp_memory_size(void);
 
-/* Monotonic clock in nanoseconds (CLOCK_MONOTONIC). Cost: ~20 ns (vDSO). */
+/* Monotonic clock in nanoseconds (CLOCK_MONOTONIC). Cost: one vDSO call, no system call. */
 uint64_t sp_time_ns(void);
 
 /* A cheap, monotonic per-core tick counter (rdtsc on x86-64, cntvct_el0 on aarch64). Ticks are
