@@ -68,11 +68,7 @@ static void valid_read(void) {
     sp_frame_arena_destroy(a);
 }
 
-static const struct {
-    const char *name;
-    void (*run)(void);
-    const char *asan, *valgrind;
-} bugs[] = {
+static const ts_bug bugs[] = {
     {"stale_read", stale_read, "use-after-poison", "Invalid read"},
     {"stale_write", stale_write, "use-after-poison", "Invalid write"},
     {"stale_heap_block", stale_heap_block, "heap-use-after-free", "Invalid read"},
@@ -87,24 +83,18 @@ static void bad_size(void *arg) {
 }
 
 int main(int argc, char **argv) {
-    if (argc == 3 && strcmp(argv[1], "--bug") == 0) { /* the child under valgrind */
-        for (size_t i = 0; i < sizeof bugs / sizeof bugs[0]; i++)
-            if (strcmp(argv[2], bugs[i].name) == 0) bugs[i].run();
-        if (strcmp(argv[2], "valid_read") == 0) valid_read();
-        return 0;
-    }
-    bool tool = TRACK_ASAN || TRACK_VALGRIND;
-    if (TRACK_VALGRIND && system("valgrind --version >/dev/null 2>&1") != 0) tool = false;
+    static const ts_bug control[] = {{"valid_read", valid_read, "", "Invalid"}};
+    if (ts_bug_child(argc, argv, bugs, sizeof bugs / sizeof bugs[0]) |
+        ts_bug_child(argc, argv, control, 1))
+        return 0; /* the child under valgrind */
+    bool tool = ts_tool_watching();
     if (!tool && SP_DEBUG < 1) skip_all("release build without ASan or -Dvalgrind=true");
     plan(6);
-    for (size_t i = 0; i < sizeof bugs / sizeof bugs[0]; i++) {
-        if (!tool) {
+    if (tool) {
+        ts_bugs_reported(argv[0], bugs, sizeof bugs / sizeof bugs[0]);
+    } else {
+        for (size_t i = 0; i < sizeof bugs / sizeof bugs[0]; i++)
             ok(1, "# SKIP %s: built without ASan or -Dvalgrind=true", bugs[i].name);
-            continue;
-        }
-        const char *kind = TRACK_ASAN ? bugs[i].asan : bugs[i].valgrind;
-        ok(ts_tool_reports(argv[0], bugs[i].run, bugs[i].name, kind), "%s is reported (%s)",
-           bugs[i].name, kind);
     }
     if (tool) {
         /* Reported-or-not is decided by the tool's output: a valid read must give none. */

@@ -54,31 +54,20 @@ static void overflow_into_header(void) {
     p[64] = 1; /* the next block's header */
 }
 
-static const struct {
-    const char *name;
-    void (*run)(void);
-} bugs[] = {{"kept_across_compaction", kept_across_compaction},
-            {"kept_across_fill", kept_across_fill},
-            {"use_after_free", use_after_free},
-            {"overflow_into_header", overflow_into_header}};
+static const ts_bug bugs[] = {
+    {"kept_across_compaction", kept_across_compaction, "use-after-poison", "Invalid read"},
+    {"kept_across_fill", kept_across_fill, "use-after-poison", "Invalid read"},
+    {"use_after_free", use_after_free, "use-after-poison", "Invalid read"},
+    {"overflow_into_header", overflow_into_header, "use-after-poison", "Invalid write"},
+};
 
 int main(int argc, char **argv) {
     self = argv[0];
     heap = sp_handle_heap_create(NULL, NULL);
-    if (argc == 3 && strcmp(argv[1], "--bug") == 0) { /* the child under valgrind */
-        for (size_t i = 0; i < sizeof bugs / sizeof bugs[0]; i++)
-            if (strcmp(argv[2], bugs[i].name) == 0) bugs[i].run();
-        return 0;
-    }
-    if (!TRACK_ASAN && !TRACK_VALGRIND) skip_all("built without ASan or -Dvalgrind=true");
-    if (TRACK_VALGRIND && system("valgrind --version >/dev/null 2>&1") != 0)
-        skip_all("valgrind is not installed");
+    if (ts_bug_child(argc, argv, bugs, sizeof bugs / sizeof bugs[0])) return 0; /* under valgrind */
+    if (!ts_tool_watching()) skip_all("built without ASan or -Dvalgrind=true (and valgrind)");
     plan(6);
-    const char *rd = TRACK_ASAN ? "use-after-poison" : "Invalid read";
-    const char *wr = TRACK_ASAN ? "use-after-poison" : "Invalid write";
-    for (size_t i = 0; i < sizeof bugs / sizeof bugs[0]; i++)
-        ok(ts_tool_reports(self, bugs[i].run, bugs[i].name, i == 3 ? wr : rd), "%s is reported",
-           bugs[i].name);
+    ts_bugs_reported(self, bugs, sizeof bugs / sizeof bugs[0]);
     /* the same moves without the bug run clean, and the moved data is intact */
     sp_handle a = sp_handle_alloc(heap, 4096, 0);
     sp_handle b = sp_handle_alloc(heap, 512, 0);

@@ -6,6 +6,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
@@ -259,6 +260,24 @@ uint64_t ts_scaled(uint64_t n, uint64_t div) {
     if (!ts_sanitized() || div <= 1) return n;
     uint64_t s = n / div;
     return s ? s : (n ? 1 : 0);
+}
+
+/* ---- memory-tool tests ----------------------------------------------------------------- */
+
+bool ts_tool_watching(void) {
+    if (TRACK_ASAN) return true;
+    return TRACK_VALGRIND && system("valgrind --version >/dev/null 2>&1") == 0;
+}
+
+bool ts_tool_asan(void) {
+    return TRACK_ASAN;
+}
+
+bool ts_bug_child(int argc, char **argv, const ts_bug *bugs, size_t n) {
+    if (argc != 3 || strcmp(argv[1], "--bug") != 0) return false;
+    for (size_t i = 0; i < n; i++)
+        if (strcmp(argv[2], bugs[i].name) == 0) bugs[i].run();
+    return true;
 }
 
 /* ---- runtime ----------------------------------------------------------------------------- */

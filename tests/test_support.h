@@ -38,6 +38,32 @@ bool ts_dies(void (*fn)(void *), void *arg, const char *needle1, const char *nee
  * captured. True if the child failed and the tool's report contains `kind`. */
 bool ts_tool_reports(const char *self, void (*bug)(void), const char *name, const char *kind);
 
+/* A memory-tool test's bug: a function that misuses memory and what each tool must report. */
+typedef struct ts_bug {
+    const char *name;
+    void (*run)(void);
+    const char *asan, *valgrind; /* e.g. "use-after-poison", "Invalid read" */
+} ts_bug;
+
+/* Whether a memory tool watches this build: ASan, or -Dvalgrind=true with valgrind installed;
+ * whether that tool is ASan. */
+bool ts_tool_watching(void);
+bool ts_tool_asan(void);
+
+/* The child side of ts_tool_reports under valgrind: with argv "--bug NAME", runs the bug of
+ * that name and returns true (main then returns 0); false otherwise. */
+bool ts_bug_child(int argc, char **argv, const ts_bug *bugs, size_t n);
+
+/* One ok() per bug: ts_tool_reports finds its tool's expected report. Inline: the TAP counters
+ * of tap.h belong to the test's own translation unit. */
+static inline void ts_bugs_reported(const char *self, const ts_bug *bugs, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        const char *kind = ts_tool_asan() ? bugs[i].asan : bugs[i].valgrind;
+        ok(ts_tool_reports(self, bugs[i].run, bugs[i].name, kind), "%s is reported (%s)",
+           bugs[i].name, kind);
+    }
+}
+
 /* Fill n bytes at p with v / whether they all still hold v (fuzz targets' block checks). */
 void ts_fill(uint8_t *p, size_t n, uint8_t v);
 bool ts_filled(const uint8_t *p, size_t n, uint8_t v);

@@ -38,32 +38,18 @@ static void remote_use_after_free(void) {
     sink = p[5];
 }
 
-static const struct {
-    const char *name;
-    void (*run)(void);
-    bool write;
-} bugs[] = {{"use_after_free", use_after_free, false},
-            {"overflow", overflow, true},
-            {"read_never_allocated", read_never_allocated, false},
-            {"remote_use_after_free", remote_use_after_free, false}};
+static const ts_bug bugs[] = {
+    {"use_after_free", use_after_free, "use-after-poison", "Invalid read"},
+    {"overflow", overflow, "use-after-poison", "Invalid write"},
+    {"read_never_allocated", read_never_allocated, "use-after-poison", "Invalid read"},
+    {"remote_use_after_free", remote_use_after_free, "use-after-poison", "Invalid read"},
+};
 
 int main(int argc, char **argv) {
-    if (argc == 3 && strcmp(argv[1], "--bug") == 0) { /* the child under valgrind */
-        for (size_t i = 0; i < sizeof bugs / sizeof bugs[0]; i++)
-            if (strcmp(argv[2], bugs[i].name) == 0) bugs[i].run();
-        return 0;
-    }
-    if (!TRACK_ASAN && !TRACK_VALGRIND) skip_all("built without ASan or -Dvalgrind=true");
-    if (TRACK_VALGRIND && system("valgrind --version >/dev/null 2>&1") != 0)
-        skip_all("valgrind is not installed");
+    if (ts_bug_child(argc, argv, bugs, sizeof bugs / sizeof bugs[0])) return 0; /* under valgrind */
+    if (!ts_tool_watching()) skip_all("built without ASan or -Dvalgrind=true (and valgrind)");
     plan(5);
-    for (size_t i = 0; i < sizeof bugs / sizeof bugs[0]; i++) {
-        const char *kind = TRACK_ASAN      ? "use-after-poison"
-                           : bugs[i].write ? "Invalid write"
-                                           : "Invalid read";
-        ok(ts_tool_reports(argv[0], bugs[i].run, bugs[i].name, kind), "%s is reported",
-           bugs[i].name);
-    }
+    ts_bugs_reported(argv[0], bugs, sizeof bugs / sizeof bugs[0]);
     char *p = sp_tcache_alloc(100);
     memset(p, 1, sp_tcache_usable_size(p));
     sp_tcache_free(p);

@@ -15,10 +15,6 @@ static sp_tlsf *heap;
 
 static const char *self;
 
-static bool tool_reports(void (*bug)(void), const char *name, const char *kind) {
-    return ts_tool_reports(self, bug, name, kind);
-}
-
 static volatile char sink;
 
 static void use_after_free(void) {
@@ -42,12 +38,11 @@ static void read_free_block(void) {
     sink = p[2000];
 }
 
-static const struct {
-    const char *name;
-    void (*run)(void);
-} bugs[] = {{"use_after_free", use_after_free},
-            {"overflow_into_header", overflow_into_header},
-            {"read_free_block", read_free_block}};
+static const ts_bug bugs[] = {
+    {"use_after_free", use_after_free, "use-after-poison", "Invalid read"},
+    {"overflow_into_header", overflow_into_header, "use-after-poison", "Invalid write"},
+    {"read_free_block", read_free_block, "use-after-poison", "Invalid read"},
+};
 
 static void heap_make(void) {
     static _Alignas(64) char mem[1 << 20];
@@ -57,22 +52,10 @@ static void heap_make(void) {
 
 int main(int argc, char **argv) {
     self = argv[0];
-    if (argc == 3 && strcmp(argv[1], "--bug") == 0) { /* the child under valgrind */
-        heap_make();
-        for (size_t i = 0; i < sizeof bugs / sizeof bugs[0]; i++)
-            if (strcmp(argv[2], bugs[i].name) == 0) bugs[i].run();
-        return 0;
-    }
-    if (!TRACK_ASAN && !TRACK_VALGRIND) skip_all("built without ASan or -Dvalgrind=true");
-    if (TRACK_VALGRIND && system("valgrind --version >/dev/null 2>&1") != 0)
-        skip_all("valgrind is not installed");
     heap_make();
-    const char *uaf = TRACK_ASAN ? "use-after-poison" : "Invalid read";
-    const char *ovf = TRACK_ASAN ? "use-after-poison" : "Invalid write";
-    ok(tool_reports(use_after_free, "use_after_free", uaf), "use after free is reported");
-    ok(tool_reports(overflow_into_header, "overflow_into_header", ovf),
-       "overflow into a header is reported");
-    ok(tool_reports(read_free_block, "read_free_block", uaf), "reading a free block is reported");
+    if (ts_bug_child(argc, argv, bugs, sizeof bugs / sizeof bugs[0])) return 0; /* valgrind */
+    if (!ts_tool_watching()) skip_all("built without ASan or -Dvalgrind=true (and valgrind)");
+    ts_bugs_reported(self, bugs, sizeof bugs / sizeof bugs[0]);
     char *p = sp_tlsf_malloc(heap, 100);
     memset(p, 1, 100);
     ok(sp_tlsf_usable_size(heap, p) == 112, "a live block is fully usable");
