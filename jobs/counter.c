@@ -13,8 +13,8 @@
 
 /* ---- wait lists -------------------------------------------------------------------------- */
 
-static void waiter_fire(sp_jobs *s, waiter *wt) {
-    worker *w = jobs_worker_of(s);
+/* w: the calling thread's worker of s, or NULL (jobs_worker_of). */
+static void waiter_fire(sp_jobs *s, worker *w, waiter *wt) {
     switch (wt->kind) {
     case WAIT_FIBER:
         jobs_job_ready(s, w, wt->job); /* wt dies with the parked frame once the job runs */
@@ -69,10 +69,11 @@ SP_NOINLINE void jobs_counter_wake(sp_counter *c) {
         jobs_waiters_push(c, keep, keep_tail);
         if (atomic_load(&c->value) > keep_max) break;
     }
+    worker *w = ready ? jobs_worker_of(c->s) : NULL; /* this call never suspends */
     while (ready) {
         waiter *wt = ready;
         ready = wt->next;
-        waiter_fire(c->s, wt);
+        waiter_fire(c->s, w, wt);
     }
 }
 

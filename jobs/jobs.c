@@ -88,26 +88,31 @@ static void abandon_waiters(sp_jobs *s) {
     sp_mutex_unlock(&s->counter_lock);
 }
 
+/* Job records taken and not yet returned; *done gets the returned count. Every live job,
+ * piece or deferred batch holds a record, and a job takes the records of what it submits
+ * before it returns its own; `returned` is read before `taken`, so 0 means that at the moment
+ * between the two reads nothing was live. */
+static uint64_t records_outstanding(sp_jobs *s, uint64_t *done) {
+    *done = SUM(s, returned);
+    return SUM(s, taken) + atomic_load(&s->ext_taken) - *done;
+}
+
 bool sp_jobs_idle(sp_jobs *s) {
-    /* As in jobs_drain_check: `returned` before `taken`, so that equal sums mean that between
-     * the two reads nothing was live (a record is taken before the job it carries exists). */
-    uint64_t done = SUM(s, returned);
-    return SUM(s, taken) + atomic_load(&s->ext_taken) == done;
+    uint64_t done;
+    return records_outstanding(s, &done) == 0;
 }
 
 /* Main thread's loop, while shutdown drains and nothing is left to run here: finished when
- * every job record is back, or stuck when what is left only waits on counters and nothing ran
- * for a while. Every live job, piece or deferred batch holds a record, and a job takes the
- * records of what it submits before it returns its own; `returned` is read before `taken`, so
- * returned == taken means that at the moment between the two reads nothing was live, and
- * nothing live means nothing can submit again (other threads are refused by `closing`). */
+ * every job record is back (nothing live means nothing can submit again: other threads are
+ * refused by `closing`), or stuck when what is left only waits on counters and nothing ran
+ * for a while. */
 void jobs_drain_check(sp_jobs *s) {
     if (atomic_load(&s->drained)) return;
-    uint64_t done = SUM(s, returned);
-    uint64_t outstanding = SUM(s, taken) + atomic_load(&s->ext_taken) - done;
+    uint64_t done, outstanding = records_outstanding(s, &done);
     bool finished = outstanding == 0;
-    int64_t parked_jobs = (int64_t)(SUM(s, parks) - SUM(s, resumes));
-    uint64_t progress = done + SUM(s, parks) + SUM(s, resumes);
+    uint64_t parks = SUM(s, parks), resumes = SUM(s, resumes);
+    int64_t parked_jobs = (int64_t)(parks - resumes);
+    uint64_t progress = done + parks + resumes;
     if (!finished && (int64_t)outstanding == parked_jobs + atomic_load(&s->deferred)) {
         uint64_t now = sp_time_ns();
         if (progress != s->drain_last_done || s->drain_still_since == 0) {

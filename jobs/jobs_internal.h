@@ -138,7 +138,8 @@ struct worker {
     /* Shared with other threads. */
     alignas(64) mpsc pinned[RANKS];
     alignas(64) _Atomic uint32_t sleep; /* 1: asleep or about to be; stored 0 to wake */
-    _Atomic uint32_t busy;              /* 0 while idle (watchdog) */
+    _Atomic uint32_t busy;              /* 0 while idle; written only where the watchdog runs
+                                           (SP_DEBUG >= 1): see jobs_busy_set */
     /* Statistics: written by the owner only (release stores), read by anyone. `taken` and
      * `returned` count job records (shutdown's drain); `submitted` and `done` count jobs. */
     _Atomic uint64_t taken, returned, submitted, done, stolen, parks, resumes, sleeps, exhaustions;
@@ -247,6 +248,12 @@ static inline bool counter_reached(const sp_counter *c, int64_t target) {
 static inline void counter_lower(sp_counter *c, int64_t n) {
     atomic_fetch_sub(&c->value, n);
     if (SP_UNLIKELY(atomic_load(&c->waiters) != NULL)) jobs_counter_wake(c);
+}
+
+/* The watchdog's view of w (debug builds only: release builds never read it, and the store
+ * would share a line with `sleep`, which waking threads write). */
+SP_INLINE void jobs_busy_set(worker *w, uint32_t v) {
+    if (SP_DEBUG >= 1) atomic_store_explicit(&w->busy, v, memory_order_relaxed);
 }
 
 #endif

@@ -127,11 +127,10 @@ static void wake_idle(sp_jobs *s, uint32_t n) {
 static bool has_work(sp_jobs *s, worker *w) {
     if (w->next_job) return true;
     for (int r = 0; r < RANKS; r++) {
-        if (w->local_head[r] || atomic_load(&w->pinned[r].size) || deque_nonempty(w->deque[r]) ||
-            atomic_load(&s->inject[r].size))
+        if (w->local_head[r] || atomic_load(&w->pinned[r].size) || atomic_load(&s->inject[r].size))
             return true;
-        for (uint32_t i = 0; i <= s->nworkers; i++)
-            if (i != w->id && deque_nonempty(s->workers[i].deque[r])) return true;
+        for (uint32_t i = 0; i <= s->nworkers; i++) /* its own deque included */
+            if (deque_nonempty(s->workers[i].deque[r])) return true;
     }
     return false;
 }
@@ -148,7 +147,7 @@ static void idle_flush(sp_jobs *s, worker *w) {
 }
 
 static void worker_idle(sp_jobs *s, worker *w, sp_counter *c, int64_t target) {
-    atomic_store_explicit(&w->busy, 0, memory_order_relaxed);
+    jobs_busy_set(w, 0);
     if (w->id == 0 && atomic_load_explicit(&s->closing, memory_order_relaxed)) jobs_drain_check(s);
     atomic_fetch_add(&s->spinning, 1);
     uint64_t t0 = sp_time_ns();
@@ -419,7 +418,7 @@ static sp_fiber *job_unpark(worker *w, job *j) {
     j->fiber = NULL;
     if (j->kind == JOB_THREAD) {
         w->current_job = NULL;
-        atomic_store_explicit(&w->busy, 0, memory_order_relaxed);
+        jobs_busy_set(w, 0);
         if (w->next_job) { /* the thread leaves the loop: let anyone run it */
             job *k = w->next_job;
             w->next_job = NULL;
@@ -598,7 +597,7 @@ void jobs_piece_run(sp_jobs *s, job *j) {
             j->end = b + left / 2;
             continue;
         }
-        uint64_t e = j->kind == JOB_BATCH ? b + 1 : left > grain ? b + grain : j->end;
+        uint64_t e = left > grain ? b + grain : j->end; /* a batch's grain is 1 */
         j->begin = e;
         jobs_piece_hide(s, j, e < j->end);
         if (j->kind == JOB_BATCH) {
@@ -654,7 +653,7 @@ void jobs_loop_main(sp_fiber *self, void *arg) {
             worker_idle(s, w, NULL, 0);
             continue;
         }
-        atomic_store_explicit(&w->busy, 1, memory_order_relaxed);
+        jobs_busy_set(w, 1);
         if (j->fiber) {
             job_resume(w, self, j);
         } else {
