@@ -119,11 +119,11 @@ static bool bit_claim(frame_buffer *b, size_t i) {
 static bool chunk_sticky(sp_frame_arena *a, frame_buffer *b, size_t i) {
     if (SP_UNLIKELY(i >= a->chunks)) return false; /* lists hold this arena's claims only */
     uint64_t w = __atomic_load_n(&b->word, __ATOMIC_RELAXED);
-    /* Below lo too: a fresh claim refused at the end leaves lo above chunks a direct range
-     * covers, so the hi test applies in both cases (hi only comes down to lo * chunk_size). */
-    if ((i + 1) * a->chunk_size > word_hi(w)) return false; /* a direct range took it */
-    while (word_lo(w) <= i) {
-        if ((i + 1) * a->chunk_size > word_hi(w)) return false;
+    /* The hi test applies below lo too: a fresh claim refused at the end leaves lo above
+     * chunks a direct range covers (hi only comes down to lo * chunk_size). */
+    for (;;) {
+        if ((i + 1) * a->chunk_size > word_hi(w)) return false; /* a direct range took it */
+        if (word_lo(w) > i) break;
         uint64_t nw = (w & ~LO_MASK) | (uint64_t)(i + 1);
         if (__atomic_compare_exchange_n(&b->word, &w, nw, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
             break;
@@ -183,7 +183,7 @@ static void *chunk_bump(sp_frame_chunk *c, size_t align, size_t size) {
  * the top down, never below lo: a CAS loop on hi, exact (no chunk tail is lost). NULL: it
  * does not fit. */
 static void *direct_take(sp_frame_arena *a, frame_buffer *b, size_t align, size_t size) {
-    if (align > a->capacity || size > a->capacity) return NULL;
+    if (size > a->capacity) return NULL; /* alloc_any sent alignments above it to overflow */
     size_t n = sp_align_up(size, 16);
     uint64_t w = __atomic_load_n(&b->word, __ATOMIC_RELAXED);
     for (;;) {
@@ -267,13 +267,6 @@ static size_t chunks_claimed(const sp_frame_arena *a, const frame_buffer *b) {
     return n;
 }
 
-/* Bytes of b in use: claimed chunks, and everything from hi up (direct ranges, and ranges
- * given up to a conflict). Cost: O(chunks / 64). */
-static size_t buffer_used(const sp_frame_arena *a, const frame_buffer *b) {
-    size_t hi = word_hi(__atomic_load_n(&b->word, __ATOMIC_RELAXED));
-    return chunks_claimed(a, b) * a->chunk_size + (a->capacity - hi);
-}
-
 static void heap_list_free(sp_frame_arena *a, frame_buffer *b) {
     heap_block *h = __atomic_exchange_n(&b->heap, NULL, __ATOMIC_ACQUIRE);
     while (h) {
@@ -328,12 +321,15 @@ static void buffer_reclaim(sp_frame_arena *a, frame_buffer *b) {
 
 static void status_fill(const sp_frame_arena *a, uint32_t i, sp_frame_buffer_status *out) {
     const frame_buffer *b = &a->buf[i];
-    size_t used = buffer_used(a, b);
+    /* In use: the claimed chunks and everything from hi up (the direct ranges). O(chunks/64). */
+    size_t chunks = chunks_claimed(a, b);
+    size_t used = chunks * a->chunk_size +
+                  (a->capacity - word_hi(__atomic_load_n(&b->word, __ATOMIC_RELAXED)));
     *out = (sp_frame_buffer_status){
         .frame = b->frame,
         .bytes_used = used,
         .peak = used > b->peak ? used : b->peak,
-        .chunks = chunks_claimed(a, b),
+        .chunks = chunks,
         .overflows = __atomic_load_n(&b->overflows, __ATOMIC_RELAXED),
         .overflow_bytes = __atomic_load_n(&b->overflow_bytes, __ATOMIC_RELAXED),
         .capacity = a->capacity,
@@ -342,9 +338,10 @@ static void status_fill(const sp_frame_arena *a, uint32_t i, sp_frame_buffer_sta
 
 uint64_t sp_frame_arena_advance(sp_frame_arena *a, sp_frame_buffer_status *closed) {
     frame_buffer *b = &a->buf[a->current];
-    size_t used = buffer_used(a, b);
-    if (used > b->peak) b->peak = used;
-    if (closed) status_fill(a, a->current, closed);
+    sp_frame_buffer_status st;
+    status_fill(a, a->current, &st);
+    b->peak = st.peak;
+    if (closed) *closed = st;
     a->frame++;
     a->current = (uint32_t)(a->frame % a->buffers);
     b = &a->buf[a->current];

@@ -27,11 +27,6 @@ const char *handle_self(void) {
     return &self_tag;
 }
 
-/* The caller is the compacting thread (a relocation callback). */
-static bool heap_busy(const sp_handle_heap *h) {
-    return __atomic_load_n(&h->compactor, __ATOMIC_RELAXED) == handle_self();
-}
-
 bool heap_lock(sp_handle_heap *h) {
     if (heap_busy(h)) return false;
     sp_mutex_lock(&h->lock);
@@ -194,7 +189,7 @@ TRACK_INTERNAL static sp_handle handle_alloc(sp_handle_heap *h, size_t size, siz
         b = block_take(h, units, align);
         if (!b) {
             r = SP_ERR_NOMEM;
-            h->cold[i].next_free = NO_SLOT; /* never issued: back at the head of the FIFO */
+            /* never issued: back at the head of the FIFO */
             if (h->free_head == NO_SLOT) h->free_tail = i;
             h->cold[i].next_free = h->free_head;
             h->free_head = i;
@@ -211,7 +206,7 @@ TRACK_INTERNAL static sp_handle handle_alloc(sp_handle_heap *h, size_t size, siz
     hcold *c = &h->cold[i];
     uint32_t id = (id_gen(h, c->last_id) + 1) << h->index_bits | i;
     b->id = id;
-    __atomic_store_n(&b->pins, 0, __ATOMIC_RELAXED);
+    b->pins = 0;
     c->size = size;
     c->fn = fn;
     c->user = user;
@@ -258,7 +253,7 @@ TRACK_INTERNAL sp_result sp_handle_free(sp_handle_heap *h, sp_handle x) {
     sp_handle_slot *s = slot_at(h, i);
     void *p = slot_ptr(h, s);
     hblk *b = blk_of(p);
-    uint32_t pins = __atomic_load_n(&b->pins, __ATOMIC_ACQUIRE);
+    uint32_t pins = b->pins;
     if (pins) {
         sp_mutex_unlock(&h->lock);
         track_leave();
@@ -266,11 +261,12 @@ TRACK_INTERNAL sp_result sp_handle_free(sp_handle_heap *h, sp_handle x) {
                          "handle 0x%x is pinned %u time(s): unpin before freeing", x.id, pins);
     }
     hcold *c = &h->cold[i];
+    uint32_t need = units_for(c->size);
     track_free(p, c->size);
     h->live_bytes -= c->size;
-    h->need_bytes -= units_bytes(units_for(c->size));
+    h->need_bytes -= units_bytes(need);
     h->live_handles--;
-    if (c->align_log2 <= HUNIT_SHIFT) space_live_remove(h, i, units_for(c->size));
+    if (c->align_log2 <= HUNIT_SHIFT) space_live_remove(h, i, need);
     b->id = 0;
     space_release(h, b, b->size);
     slot_set(h, s, slot_free_id(h, i), p);
@@ -289,7 +285,7 @@ TRACK_INTERNAL void *sp_handle_pin(sp_handle_heap *h, sp_handle x) {
     track_enter();
     bool locked = heap_lock(h);
     void *p = sp_handle_resolve(h, x);
-    if (p) __atomic_fetch_add(&blk_of(p)->pins, 1, __ATOMIC_RELAXED);
+    if (p) blk_of(p)->pins++;
     heap_unlock(h, locked);
     track_leave();
     return p;
@@ -300,8 +296,8 @@ TRACK_INTERNAL sp_result sp_handle_unpin(sp_handle_heap *h, sp_handle x) {
     track_enter();
     bool locked = heap_lock(h);
     void *p = sp_handle_resolve(h, x);
-    uint32_t v = p ? __atomic_load_n(&blk_of(p)->pins, __ATOMIC_RELAXED) : 0;
-    if (v) __atomic_store_n(&blk_of(p)->pins, v - 1, __ATOMIC_RELAXED);
+    uint32_t v = p ? blk_of(p)->pins : 0;
+    if (v) blk_of(p)->pins = v - 1;
     heap_unlock(h, locked);
     track_leave();
     if (!p)

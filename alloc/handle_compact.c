@@ -29,7 +29,7 @@ TRACK_INTERNAL static hcold *cold_of(const sp_handle_heap *h, const hblk *b) {
 
 /* Whether live block b may move down by `delta` bytes: unpinned, alignment kept. */
 TRACK_INTERNAL static bool blk_movable(const sp_handle_heap *h, const hblk *b, size_t delta) {
-    if (b->id == 0 || __atomic_load_n(&b->pins, __ATOMIC_ACQUIRE)) return false;
+    if (b->id == 0 || b->pins) return false;
     return delta % ((size_t)1 << cold_of(h, b)->align_log2) == 0;
 }
 
@@ -235,8 +235,7 @@ TRACK_INTERNAL static hblk *live_best(const sp_handle_heap *h, const hblk *H, ui
              i = h->cold[i].lnext, k++, tries++) {
             hblk *b = blk_of(slot_ptr(h, slot_at(h, i)));
             uint32_t need = units_for(h->cold[i].size);
-            if (need <= hs && (char *)b > above && (!best || b > best) &&
-                !__atomic_load_n(&b->pins, __ATOMIC_ACQUIRE)) {
+            if (need <= hs && (char *)b > above && (!best || b > best) && !b->pins) {
                 best = b;
                 *need_out = need;
             }
@@ -337,7 +336,7 @@ TRACK_INTERNAL static int hole_evacuate(sp_handle_heap *h, step *st, hblk *H) {
     space_header(h, H, (uint32_t)merged, H->prev);
     space_hole_insert(h, H);
     /* n's relocation callback may have pinned m: then m stays, the hole waits. */
-    if (__atomic_load_n(&m->pins, __ATOMIC_RELAXED)) return HOLE_MOVED;
+    if (m->pins) return HOLE_MOVED;
     hole_put(h, st, H, m);
     return HOLE_MOVED;
 }
@@ -371,8 +370,7 @@ TRACK_INTERNAL static int hole_pad(sp_handle_heap *h, hblk *H, hblk *n) {
 TRACK_INTERNAL static int hole_close(sp_handle_heap *h, step *st, hblk *H) {
     size_t hbytes = units_bytes(H->size), run = 0, room = step_room(h, st);
     hblk *x = blk_next(H); /* live: holes never touch each other or the top */
-    if (!__atomic_load_n(&x->pins, __ATOMIC_ACQUIRE) && !blk_movable(h, x, hbytes) &&
-        hole_pad(h, H, x) == HOLE_MOVED)
+    if (!x->pins && !blk_movable(h, x, hbytes) && hole_pad(h, H, x) == HOLE_MOVED)
         return HOLE_MOVED;
     /* the run above: the first block moves by the hole's size, the rest packed behind it */
     for (uint32_t count = 0; (char *)x < h->top && x->id != 0 && count < RUN_BLOCKS; count++) {
@@ -401,7 +399,7 @@ TRACK_INTERNAL sp_result sp_handle_compact(sp_handle_heap *h, uint64_t budget_ns
                                            sp_handle_compact_stats *out) {
     if (out) memset(out, 0, sizeof *out);
     if (!h) return sp_misuse(SP_ERR_INVALID_ARG, "sp_handle_compact", NULL, "NULL heap");
-    if (__atomic_load_n(&h->compactor, __ATOMIC_RELAXED) == handle_self())
+    if (heap_busy(h))
         return sp_misuse(SP_ERR_BUSY, "sp_handle_compact", h,
                          "compaction called from a relocation callback");
     if (h->desc.may_compact && !h->desc.may_compact(h->desc.may_compact_user))

@@ -29,7 +29,7 @@ typedef struct hblk {
     uint32_t size; /* units, header included */
     uint32_t prev; /* units of the block below, 0 at the bottom */
     uint32_t id;   /* owning handle id; 0 = free */
-    uint32_t pins; /* atomic; live blocks only */
+    uint32_t pins; /* live blocks only; under the heap lock (compaction holds it) */
 } hblk;
 
 /* A free block's payload: its links in the list of its size class. */
@@ -119,6 +119,10 @@ SP_INLINE uint32_t units_for(size_t size) {
 /* The calling thread's identity for `compactor` (the address of a thread-local: read anew in
  * every call, which never suspends). */
 SP_HIDDEN const char *handle_self(void);
+/* The caller is the compacting thread (a relocation callback, or compaction itself). */
+SP_INLINE bool heap_busy(const sp_handle_heap *h) {
+    return __atomic_load_n(&h->compactor, __ATOMIC_RELAXED) == handle_self();
+}
 /* Lock h unless the caller is the compacting thread (which holds it already); returns
  * whether it locked, for heap_unlock. */
 SP_HIDDEN bool heap_lock(sp_handle_heap *h);

@@ -93,7 +93,7 @@ TRACK_INTERNAL void space_header(sp_handle_heap *h, hblk *b, uint32_t units, uin
     b->size = units;
     b->prev = prev;
     b->id = 0;
-    __atomic_store_n(&b->pins, 0, __ATOMIC_RELAXED);
+    b->pins = 0;
     hblk *n = blk_next(b);
     if ((char *)n == h->top)
         h->top_prev = units;

@@ -187,17 +187,7 @@ extern _Thread_local sp_frame_chunk sp_frame_tls[SP_FRAME_SLOTS]
 /* Everything: validation, chunk refill, direct requests, overflow, tracking. */
 void *sp_frame_alloc_generic(sp_frame_arena *a, size_t align, size_t size);
 
-#if !defined(__has_feature)
-#define SP_FRAME_HAS_FEATURE_(x) 0
-#else
-#define SP_FRAME_HAS_FEATURE_(x) __has_feature(x)
-#endif
-#if defined(__SANITIZE_ADDRESS__) || SP_FRAME_HAS_FEATURE_(address_sanitizer) ||                   \
-    (defined(SP_TRACK_VALGRIND) && SP_TRACK_VALGRIND) || !defined(SP_TLS_FRESH)
-#define SP_FRAME_INLINE 0
-#else
-#define SP_FRAME_INLINE 1
-#endif
+#define SP_FRAME_INLINE SP_INLINE_FAST_PATHS
 
 #if SP_FRAME_INLINE
 static inline __attribute__((always_inline)) void *sp_frame_alloc(sp_frame_arena *a, size_t size) {

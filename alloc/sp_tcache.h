@@ -228,17 +228,7 @@ void *sp_tcache_alloc_generic(size_t size);
 void sp_tcache_free_generic(void *p);
 void sp_tcache_span_emptied(sp_tcache_span *s);
 
-#if !defined(__has_feature)
-#define SP_TCACHE_HAS_FEATURE_(x) 0
-#else
-#define SP_TCACHE_HAS_FEATURE_(x) __has_feature(x)
-#endif
-#if defined(__SANITIZE_ADDRESS__) || SP_TCACHE_HAS_FEATURE_(address_sanitizer) ||                  \
-    (defined(SP_TRACK_VALGRIND) && SP_TRACK_VALGRIND) || !defined(SP_TLS_FRESH)
-#define SP_TCACHE_INLINE 0
-#else
-#define SP_TCACHE_INLINE 1
-#endif
+#define SP_TCACHE_INLINE SP_INLINE_FAST_PATHS
 
 #if SP_TCACHE_INLINE
 /* The calling thread's cache, read afresh (see Fibers above). x86-64: the load itself is in
@@ -262,8 +252,7 @@ static inline __attribute__((always_inline)) sp_tcache *sp_tcache_self(void) {
  * atomic store of a computed value costs a load, the arithmetic and a store; on x86-64 one
  * plain (unlocked) add/sub on memory is the same single-copy-atomic store. ThreadSanitizer
  * builds keep the atomic store (it cannot see into the asm). */
-#if defined(__x86_64__) && !defined(__SANITIZE_THREAD__) &&                                        \
-    !SP_TCACHE_HAS_FEATURE_(thread_sanitizer)
+#if defined(__x86_64__) && !defined(__SANITIZE_THREAD__) && !SP_HAS_FEATURE(thread_sanitizer)
 static inline __attribute__((always_inline)) void sp_tcache_used_inc_(sp_tcache_span *s) {
     __asm__ volatile("addl $1, %0" : "+m"(s->used) : : "cc");
 }

@@ -33,7 +33,8 @@ bool rt_may_compact(void *user) {
 }
 
 sp_result sp_frame_begin(void) {
-    if (!rt_main_only("sp_frame_begin")) return sp_rt.up ? SP_ERR_INVALID_ARG : SP_ERR_SHUTDOWN;
+    sp_result r = rt_main_only("sp_frame_begin");
+    if (r != SP_OK) return r;
     if (sp_rt.in_frame) {
         sp_log(SP_LOG_ERROR, SP_ERR_INVALID_ARG, "sp_frame_begin", NULL,
                "frame %llu is already open", (unsigned long long)sp_rt.frame);
@@ -80,7 +81,8 @@ static void between_frames(sp_frame_stats *st) {
 }
 
 sp_result sp_frame_end(void) {
-    if (!rt_main_only("sp_frame_end")) return sp_rt.up ? SP_ERR_INVALID_ARG : SP_ERR_SHUTDOWN;
+    sp_result r = rt_main_only("sp_frame_end");
+    if (r != SP_OK) return r;
     if (!sp_rt.in_frame) {
         sp_log(SP_LOG_ERROR, SP_ERR_INVALID_ARG, "sp_frame_end", NULL,
                "no frame is open: call sp_frame_begin first");
@@ -88,7 +90,7 @@ sp_result sp_frame_end(void) {
     }
     sp_frame_stats st = {.frame = sp_rt.frame};
     uint64_t t_wait = sp_time_ns();
-    sp_result r = sp_counter_wait(sp_rt.frame_counter, 0);
+    r = sp_counter_wait(sp_rt.frame_counter, 0);
     if (r != SP_OK) return r; /* logged by the scheduler; the frame stays open */
     st.wait_ns = sp_time_ns() - t_wait;
     st.jobs_run = jobs_run() - sp_rt.jobs_run_t0;
@@ -119,21 +121,20 @@ sp_result sp_frame_end(void) {
     st.retired = atomic_load_explicit(&sp_rt.retire_count, memory_order_relaxed) - sp_rt.retired_t0;
     st.frame_ns = sp_time_ns() - sp_rt.frame_t0;
     sp_rt.last = st;
-    sp_rt.have_last = true;
     sp_rt.frame++;
     return SP_OK;
 }
 
 sp_result sp_frame_stats_last(sp_frame_stats *out) {
     if (!rt_is_up("sp_frame_stats_last")) return SP_ERR_SHUTDOWN;
-    if (!sp_rt.have_last) return SP_ERR_LIMIT;
+    if (sp_rt.frame == 0) return SP_ERR_LIMIT; /* no frame closed yet */
     *out = sp_rt.last;
     return SP_OK;
 }
 
 sp_result sp_between_frames_add(const char *name, sp_between_fn fn, void *user) {
-    if (!rt_main_only("sp_between_frames_add"))
-        return sp_rt.up ? SP_ERR_INVALID_ARG : SP_ERR_SHUTDOWN;
+    sp_result r = rt_main_only("sp_between_frames_add");
+    if (r != SP_OK) return r;
     if (!fn) return sp_misuse(SP_ERR_INVALID_ARG, "sp_between_frames_add", NULL, "fn is NULL");
     for (uint32_t i = 0; i < sp_rt.between_count; i++)
         if (sp_rt.between[i].fn == fn && sp_rt.between[i].user == user)
@@ -149,8 +150,8 @@ sp_result sp_between_frames_add(const char *name, sp_between_fn fn, void *user) 
 }
 
 sp_result sp_between_frames_remove(sp_between_fn fn, void *user) {
-    if (!rt_main_only("sp_between_frames_remove"))
-        return sp_rt.up ? SP_ERR_INVALID_ARG : SP_ERR_SHUTDOWN;
+    sp_result r = rt_main_only("sp_between_frames_remove");
+    if (r != SP_OK) return r;
     for (uint32_t i = 0; i < sp_rt.between_count; i++) {
         if (sp_rt.between[i].fn == fn && sp_rt.between[i].user == user) {
             memmove(&sp_rt.between[i], &sp_rt.between[i + 1],

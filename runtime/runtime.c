@@ -7,10 +7,7 @@
 #include <string.h>
 #include <urcu/urcu-qsbr.h>
 
-#if !defined(__has_feature)
-#define __has_feature(x) 0
-#endif
-#if defined(__SANITIZE_THREAD__) || __has_feature(thread_sanitizer)
+#if defined(__SANITIZE_THREAD__) || SP_HAS_FEATURE(thread_sanitizer)
 #include <sanitizer/tsan_interface.h>
 /* liburcu 0.13 is not instrumented: tell TSan that a grace period orders every access a
  * thread made before its quiescent state before the reclaimer's frees. */
@@ -43,12 +40,12 @@ bool rt_is_up(const char *call) {
     return false;
 }
 
-bool rt_main_only(const char *call) {
-    if (!rt_is_up(call)) return false;
-    if (SP_LIKELY(sp_thread_os_id() == sp_rt.main_thread)) return true;
+sp_result rt_main_only(const char *call) {
+    if (!rt_is_up(call)) return SP_ERR_SHUTDOWN;
+    if (SP_LIKELY(sp_thread_os_id() == sp_rt.main_thread)) return SP_OK;
     sp_log(SP_LOG_ERROR, SP_ERR_INVALID_ARG, call, NULL,
            "must be called on the main thread (the one that called sp_init)");
-    return false;
+    return SP_ERR_INVALID_ARG;
 }
 
 /* ---- QSBR ------------------------------------------------------------------------------ */
@@ -105,10 +102,13 @@ static void *reclaimer_main(void *arg) {
     }
 }
 
-void rt_reclaim_kick(void) {
-    if (!atomic_load(&sp_rt.retire_list)) return;
+static void reclaimer_wake(void) {
     atomic_fetch_add(&sp_rt.reclaim_seq, 1);
     sp_futex_wake((uint32_t *)&sp_rt.reclaim_seq, 1);
+}
+
+void rt_reclaim_kick(void) {
+    if (atomic_load(&sp_rt.retire_list)) reclaimer_wake();
 }
 
 sp_result sp_retire(void *p, void (*free_fn)(void *)) {
@@ -207,9 +207,9 @@ static sp_result desc_fill(const sp_desc *in, sp_desc *d) {
         return sp_misuse(SP_ERR_INVALID_ARG, "sp_init", in,
                          "sp_desc canaries are not zero: zero-initialise the desc "
                          "(sp_desc d = {0}; or a designated initialiser)");
-    if (d->frame_buffers > 4)
-        return sp_misuse(SP_ERR_INVALID_ARG, "sp_init", in, "frame_buffers %u is above 4",
-                         d->frame_buffers);
+    if (d->frame_buffers > SP_FRAME_MAX_BUFFERS)
+        return sp_misuse(SP_ERR_INVALID_ARG, "sp_init", in, "frame_buffers %u is above %d",
+                         d->frame_buffers, SP_FRAME_MAX_BUFFERS);
     const size_t max = (size_t)1 << 46; /* 64 TiB a region: sums and roundings cannot wrap */
     if (d->heap_size > max || d->frame_size > max || d->handle_size > max ||
         d->persistent_size > max)
@@ -337,18 +337,17 @@ static sp_result jobs_start(void) {
     sp_rt.reclaimer_started = true;
     sp_jobs_desc jd = sp_rt.desc.jobs;
     sp_rt.user_hooks = jd.hooks;
-    jd.hooks =
-        (sp_jobs_hooks){.job_begin = hook_job_begin,
-                        .job_end = hook_job_end,
-                        .job_park = hook_job_park,
-                        .job_resume = hook_job_resume,
-                        .worker_sleep = hook_worker_sleep,
-                        .worker_wake = hook_worker_wake,
-                        .fiber_switch = sp_rt.user_hooks.fiber_switch ? hook_fiber_switch : NULL,
-                        .thread_start = hook_thread_start,
-                        .thread_stop = hook_thread_stop};
-    if (!sp_rt.user_hooks.job_begin) jd.hooks.job_begin = NULL;
-    if (!sp_rt.user_hooks.job_resume) jd.hooks.job_resume = NULL;
+    /* Ours where the runtime has a duty; the pure pass-throughs only when the desc set them. */
+    const sp_jobs_hooks *u = &sp_rt.user_hooks;
+    jd.hooks = (sp_jobs_hooks){.job_begin = u->job_begin ? hook_job_begin : NULL,
+                               .job_end = hook_job_end,
+                               .job_park = hook_job_park,
+                               .job_resume = u->job_resume ? hook_job_resume : NULL,
+                               .worker_sleep = hook_worker_sleep,
+                               .worker_wake = hook_worker_wake,
+                               .fiber_switch = u->fiber_switch ? hook_fiber_switch : NULL,
+                               .thread_start = hook_thread_start,
+                               .thread_stop = hook_thread_stop};
     sp_result r = sp_jobs_create(&sp_rt.jobs, &jd);
     if (r == SP_OK) {
         sp_rt.frame_counter = sp_counter_create(sp_rt.jobs, "frame");
@@ -374,8 +373,7 @@ static void jobs_stop(void) {
     qsbr_unregister();
     if (sp_rt.reclaimer_started) {
         atomic_store(&sp_rt.reclaim_stop, true);
-        atomic_fetch_add(&sp_rt.reclaim_seq, 1);
-        sp_futex_wake((uint32_t *)&sp_rt.reclaim_seq, 1);
+        reclaimer_wake();
         sp_thread_join(sp_rt.reclaimer);
         sp_rt.reclaimer_started = false;
         atomic_store(&sp_rt.reclaim_stop, false);
@@ -421,7 +419,6 @@ sp_result sp_init(const sp_desc *desc) {
     }
     sp_rt.frame = 0;
     sp_rt.in_frame = false;
-    sp_rt.have_last = false;
     sp_rt.between_count = 0;
     atomic_store(&sp_rt.retire_count, 0);
     sp_rt.up = true;
@@ -433,12 +430,8 @@ const char *sp_init_failure(void) {
 }
 
 sp_result sp_shutdown(void) {
-    if (!sp_rt.up) {
-        sp_log(SP_LOG_ERROR, SP_ERR_SHUTDOWN, "sp_shutdown", NULL,
-               "not initialised (or shut down already)");
-        return SP_ERR_SHUTDOWN;
-    }
-    if (!rt_main_only("sp_shutdown")) return SP_ERR_INVALID_ARG;
+    sp_result r = rt_main_only("sp_shutdown"); /* not initialised or shut down already, too */
+    if (r != SP_OK) return r;
     if (sp_rt.in_frame) {
         sp_log(SP_LOG_ERROR, SP_ERR_INVALID_ARG, "sp_shutdown", NULL,
                "frame %llu is open: call sp_frame_end first", (unsigned long long)sp_rt.frame);
@@ -453,7 +446,7 @@ sp_result sp_shutdown(void) {
     /* The scheduler first: it runs every pending job (frame jobs included) and gives the
      * result (SP_ERR_STALLED: jobs abandoned). Called from a job it refuses (logged) and
      * nothing is stopped; jobs_stop later finds it shut down and destroys it. */
-    sp_result r = sp_jobs_shutdown(sp_rt.jobs);
+    r = sp_jobs_shutdown(sp_rt.jobs);
     if (r == SP_ERR_INVALID_ARG) return r;
     sp_rt.up = false;
     stop_from(SUBSYSTEMS);

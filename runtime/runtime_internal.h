@@ -1,5 +1,6 @@
-/* The runtime's state, shared by runtime.c (lifecycle, regions, threads, QSBR) and frame.c
- * (the frame loop). One runtime per process: a zero-initialised static, no constructors. */
+/* The runtime's state, shared by runtime.c (lifecycle, regions, threads, QSBR) and
+ * frame_loop.c (the frame loop). One runtime per process: a zero-initialised static, no
+ * constructors. */
 #ifndef SP_RUNTIME_INTERNAL_H
 #define SP_RUNTIME_INTERNAL_H
 
@@ -64,7 +65,6 @@ typedef struct runtime {
     uint64_t frame_t0;
     uint64_t jobs_run_t0;
     uint64_t retired_t0;
-    bool have_last;
     sp_frame_stats last;
     bool compact_gate; /* between_frames asked already: the heap's may_compact says yes */
     between_work between[BETWEEN_MAX];
@@ -73,8 +73,9 @@ typedef struct runtime {
 
 SP_HIDDEN extern runtime sp_rt;
 
-/* true on the main thread of a running runtime; otherwise logs `call` and returns false. */
-SP_HIDDEN bool rt_main_only(const char *call);
+/* SP_OK on the main thread of a running runtime; otherwise logs `call` and returns
+ * SP_ERR_SHUTDOWN (not running) or SP_ERR_INVALID_ARG (another thread). */
+SP_HIDDEN sp_result rt_main_only(const char *call);
 /* true if the runtime is up; otherwise logs `call` (SP_ERR_SHUTDOWN) and returns false. */
 SP_HIDDEN bool rt_is_up(const char *call);
 

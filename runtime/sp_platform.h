@@ -163,6 +163,23 @@ void sp_mutex_unlock(sp_mutex *m);
     })
 #endif
 
+/* SP_HAS_FEATURE(x): clang's __has_feature, 0 elsewhere (gcc says __SANITIZE_*__ instead). */
+#if defined(__has_feature)
+#define SP_HAS_FEATURE(x) __has_feature(x)
+#else
+#define SP_HAS_FEATURE(x) 0
+#endif
+
+/* SP_INLINE_FAST_PATHS: 1 where the allocators compile their inline fast paths (thread caches,
+ * frame arenas): SP_TLS_FRESH exists and no memory tool needs every call to go through the
+ * out-of-line path that tells it about each block (ASan, -Dvalgrind=true). */
+#if defined(__SANITIZE_ADDRESS__) || SP_HAS_FEATURE(address_sanitizer) ||                          \
+    (defined(SP_TRACK_VALGRIND) && SP_TRACK_VALGRIND) || !defined(SP_TLS_FRESH)
+#define SP_INLINE_FAST_PATHS 0
+#else
+#define SP_INLINE_FAST_PATHS 1
+#endif
+
 #ifdef __cplusplus
 }
 #endif

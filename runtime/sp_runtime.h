@@ -170,7 +170,8 @@ sp_result sp_thread_attach(void);
 sp_result sp_thread_detach(void);
 
 /* An attached thread reports that it holds no pointer into RCU-protected structures (cost:
- * liburcu's quiescent-state store and a load). Workers need not call it. No-op on a thread that is not attached. */
+ * liburcu's quiescent-state store and a load). Workers need not call it. No-op on a thread that is
+ * not attached. */
 void sp_thread_quiescent(void);
 
 void sp_status_get(sp_status *out);

@@ -146,6 +146,8 @@ static void test_frame_jobs(uint32_t workers) {
         ok(0, "init (%u workers)", workers);
         return;
     }
+    sp_frame_stats none;
+    is_int(sp_frame_stats_last(&none), SP_ERR_LIMIT, "no statistics before the first frame");
     enum { N = 64 };
     sp_job_desc jobs[N];
     for (int i = 0; i < N; i++) jobs[i] = (sp_job_desc){.fn = slow_job, .name = "slow"};
