@@ -45,12 +45,8 @@ EXPORT void *calloc(size_t n, size_t size) {
 }
 
 EXPORT void *realloc(void *p, size_t size) {
-    if (p && size == 0) {
-        sp_tcache_free(p);
-        return NULL;
-    }
-    void *q = sp_tcache_realloc(p, size);
-    if (!q) errno = ENOMEM;
+    void *q = sp_tcache_realloc(p, size); /* size 0 with a block: freed, NULL */
+    if (!q && (size || !p)) errno = ENOMEM;
     return q;
 }
 

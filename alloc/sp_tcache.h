@@ -192,15 +192,14 @@ typedef struct sp_tcache_block {
  * hands or carves; the second is the owner's, written by every alloc and owner free: a remote
  * free never pulls the owner's hot line away from it. */
 typedef struct sp_tcache_span {
-    uint32_t start;   /* offset of the first block */
-    uint32_t carved;  /* bytes from start cut into blocks so far */
-    uint32_t div_mul; /* exact-division test for the block size: off is a multiple iff */
-    uint32_t div_rot; /*   rotr32(off * div_mul, div_rot) <= div_max, and then that value is */
-    uint32_t div_max; /*   off / block size (offset 24 keeps owner clear of TLSF's links) */
-    uint32_t carved_blocks;  /* carved / block size: one compare of the rotated product
-                                against it tests "a carved block start" (the quotient of a
-                                non-multiple, or of an offset below start, is above it) */
-    struct sp_tcache *owner; /* read by any thread (atomically); written by the owner */
+    uint32_t start;          /* offset of the first block */
+    uint32_t div_mul;        /* exact division by the block size: rotr32(off * div_mul, div_rot) */
+    uint32_t div_rot;        /*   is off / block size when off is a multiple of it, else larger
+                                  than any block index (sp_tcache_block_index_) */
+    uint32_t carved_blocks;  /* blocks cut from the span so far: one compare of the index
+                                against it tests "a carved block start" */
+    struct sp_tcache *owner; /* read by any thread (atomically); written by the owner. At
+                                offset 16: clear of the links TLSF writes into a freed span */
     uint32_t first32;        /* low 32 bits of the first block's address: (uint32_t)p - first32 is
                                 p's offset from it (the span is aligned to 256 KiB) */
     _Alignas(64) sp_tcache_block *free; /* owner's free list */
@@ -229,6 +228,15 @@ void sp_tcache_free_generic(void *p);
 void sp_tcache_span_emptied(sp_tcache_span *s);
 
 #define SP_TCACHE_INLINE SP_INLINE_FAST_PATHS
+
+/* The index of the block at address a in span s, or a number >= s->carved_blocks when a is
+ * not the start of a carved block (below the first block, between two, past the carved
+ * ones). Every free's pointer check, inline and out of line. */
+static inline __attribute__((always_inline)) uint32_t
+sp_tcache_block_index_(const sp_tcache_span *s, uintptr_t a) {
+    uint32_t q = ((uint32_t)a - s->first32) * s->div_mul;
+    return (q >> s->div_rot) | (q << ((32 - s->div_rot) & 31));
+}
 
 #if SP_TCACHE_INLINE
 /* The calling thread's cache, read afresh (see Fibers above). x86-64: the load itself is in
@@ -291,9 +299,7 @@ static inline __attribute__((always_inline)) void sp_tcache_free_in_span_(sp_tca
     uintptr_t a = (uintptr_t)p;
     sp_tcache_span *s = (sp_tcache_span *)(a & ~(uintptr_t)(SP_TCACHE_SPAN - 1));
     sp_tcache_block *b = (sp_tcache_block *)p;
-    uint32_t off = (uint32_t)a - s->first32;
-    uint32_t q = off * s->div_mul;
-    q = (q >> s->div_rot) | (q << ((32 - s->div_rot) & 31));
+    uint32_t q = sp_tcache_block_index_(s, a);
     if (__builtin_expect(__atomic_load_n(&s->owner, __ATOMIC_RELAXED) == c &&
                              q < __atomic_load_n(&s->carved_blocks, __ATOMIC_RELAXED) &&
                              b->tag != (a ^ sp_tcache_g.key),

@@ -69,14 +69,14 @@ static uintptr_t span_magic(const span *s) {
     return (uintptr_t)s ^ sp_tcache_g.key ^ (uintptr_t)0x5350414e5350414eull;
 }
 
-/* Exact division test constants for d = d0 * 2^r (d0 odd): n % d == 0 iff
- * rotr32(n * inverse(d0), r) <= UINT32_MAX / d. */
+/* Exact division constants for d = d0 * 2^r (d0 odd): n % d == 0 iff
+ * rotr32(n * inverse(d0), r) <= UINT32_MAX / d, and then it is n / d; a non-multiple gives
+ * more than UINT32_MAX / d >= any block index (sp_tcache_block_index_). */
 static void span_divisor(span *s, uint32_t d) {
     uint32_t r = (uint32_t)__builtin_ctz(d), d0 = d >> r, x = d0;
     for (int i = 0; i < 5; i++) x *= 2 - d0 * x; /* Newton: inverse mod 2^32 */
     s->pub.div_mul = x;
     s->pub.div_rot = r;
-    s->pub.div_max = UINT32_MAX / d;
 }
 
 /* Turn s (fresh from the heap, empty or adopted-empty) into an empty span of class k owned by
@@ -87,7 +87,6 @@ TRACK_INTERNAL static void span_format(span *s, cache *c, uint32_t k) {
     __atomic_store_n(&s->pub.used, 0, __ATOMIC_RELAXED);
     s->pub.start = class_start(bs);
     s->pub.first32 = (uint32_t)((uintptr_t)s + s->pub.start);
-    __atomic_store_n(&s->pub.carved, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&s->pub.carved_blocks, 0, __ATOMIC_RELAXED);
     span_divisor(s, bs);
     s->cls = k;
@@ -104,13 +103,13 @@ TRACK_INTERNAL static void span_format(span *s, cache *c, uint32_t k) {
 /* Cut up to a page worth of blocks (at least one) from the uncarved tail onto the free list.
  * Returns false when the span is fully carved. */
 TRACK_INTERNAL static bool span_carve(span *s) {
-    uint32_t bs = s->block_size, carved = s->pub.carved;
-    uint32_t left = s->capacity - carved / bs;
+    uint32_t bs = s->block_size, done = s->pub.carved_blocks;
+    uint32_t left = s->capacity - done;
     if (left == 0) return false;
     uint32_t n = 4096 / bs;
     if (n == 0) n = 1;
     if (n > left) n = left;
-    char *first = (char *)s + s->pub.start + carved;
+    char *first = (char *)s + s->pub.start + (size_t)done * bs;
     sp_tcache_block *head = s->pub.free;
     for (uint32_t i = n; i-- > 0;) {
         sp_tcache_block *b = (sp_tcache_block *)(first + (size_t)i * bs);
@@ -119,8 +118,7 @@ TRACK_INTERNAL static bool span_carve(span *s) {
         head = b;
     }
     s->pub.free = head;
-    __atomic_store_n(&s->pub.carved, carved + n * bs, __ATOMIC_RELAXED);
-    __atomic_store_n(&s->pub.carved_blocks, (carved + n * bs) / bs, __ATOMIC_RELAXED);
+    __atomic_store_n(&s->pub.carved_blocks, done + n, __ATOMIC_RELAXED);
     return true;
 }
 
@@ -130,9 +128,9 @@ TRACK_INTERNAL static bool span_carve(span *s) {
 TRACK_INTERNAL uint32_t span_collect(span *s, cache *c) {
     if (atomic_load_explicit(&s->inbox, memory_order_relaxed) == 0) return 0;
     uintptr_t v = atomic_exchange_explicit(&s->inbox, 0, memory_order_acquire);
-    sp_tcache_block *list = (sp_tcache_block *)(v & (((uintptr_t)1 << INBOX_BITS) - 1));
-    uint32_t n = (uint32_t)(v >> INBOX_BITS);
-    if (!list) return 0;
+    /* Non-zero (seen above), taken only here: it holds a list of inbox_count >= 1 blocks. */
+    sp_tcache_block *list = inbox_list(v);
+    uint32_t n = inbox_count(v);
     if (s->pub.free) {
         sp_tcache_block *tail = list;
         while (tail->next) tail = tail->next;
@@ -149,7 +147,7 @@ TRACK_INTERNAL uint32_t span_collect(span *s, cache *c) {
 }
 
 static bool span_has_room(span *s) {
-    return s->pub.free != NULL || s->pub.carved / s->block_size < s->capacity ||
+    return s->pub.free != NULL || s->pub.carved_blocks < s->capacity ||
            atomic_load_explicit(&s->inbox, memory_order_relaxed) != 0;
 }
 
@@ -542,9 +540,8 @@ TRACK_INTERNAL bool tcache_block_check(span *s, const void *p, const char *call)
                          "%p lies in the span heap but in no span in use", p),
                false;
     uint64_t tid = __atomic_load_n(&s->owner_tid, __ATOMIC_RELAXED);
-    uint32_t off = (uint32_t)(a - (uintptr_t)s) - s->pub.start, q = off * s->pub.div_mul;
-    q = (q >> s->pub.div_rot) | (q << ((32 - s->pub.div_rot) & 31));
-    if (off >= __atomic_load_n(&s->pub.carved, __ATOMIC_RELAXED) || q > s->pub.div_max)
+    if (sp_tcache_block_index_(&s->pub, a) >=
+        __atomic_load_n(&s->pub.carved_blocks, __ATOMIC_RELAXED))
         return sp_misuse(SP_ERR_INVALID_POINTER, call, p,
                          "%p is not the start of a block (class %u, %u-byte blocks, span of "
                          "thread %llu)",
@@ -578,8 +575,8 @@ TRACK_INTERNAL static void block_free_remote(cache *c, span *s, sp_tcache_block 
     b->tag = (uintptr_t)b ^ sp_tcache_g.key;
     uintptr_t old = atomic_load_explicit(&s->inbox, memory_order_relaxed), next;
     do {
-        b->next = (sp_tcache_block *)(old & (((uintptr_t)1 << INBOX_BITS) - 1));
-        next = (uintptr_t)b | (((old >> INBOX_BITS) + 1) << INBOX_BITS);
+        b->next = inbox_list(old);
+        next = (uintptr_t)b | ((uintptr_t)(inbox_count(old) + 1) << INBOX_BITS);
     } while (!atomic_compare_exchange_weak_explicit(&s->inbox, &old, next, memory_order_release,
                                                     memory_order_relaxed));
     if (c && c != &unattached)

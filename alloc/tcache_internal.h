@@ -5,7 +5,7 @@
  * class in its owner's cache, on its owner's ring of that class, on its owner's empty list
  * (used == 0), on the global orphan list of its class (owner NULL), or free in the central
  * span heap (magic and owner cleared). Only the owner (or, for orphans, the orphan lock
- * holder) touches `free`, `carved` and the list links; any thread pushes onto `inbox`.
+ * holder) touches `free`, `carved_blocks` and the list links; any thread pushes onto `inbox`.
  */
 #ifndef SP_TCACHE_INTERNAL_H
 #define SP_TCACHE_INTERNAL_H
@@ -21,6 +21,14 @@ enum {
     SPAN_HEADER = 256, /* bytes before the first block (alignment of blocks: 16 and up) */
     SPAN_TAIL = 16,    /* the last 16 bytes hold the next TLSF block's header */
 };
+
+/* An inbox word: the list head in the low INBOX_BITS bits, the count above. */
+SP_INLINE sp_tcache_block *inbox_list(uintptr_t v) {
+    return (sp_tcache_block *)(v & (((uintptr_t)1 << INBOX_BITS) - 1));
+}
+SP_INLINE uint32_t inbox_count(uintptr_t v) {
+    return (uint32_t)(v >> INBOX_BITS);
+}
 
 typedef struct span {
     sp_tcache_span pub; /* what the inline paths read */
