@@ -65,7 +65,10 @@
 extern "C" {
 #endif
 
-#define SP_TCACHE_SPAN ((size_t)256 * 1024) /* span size and alignment */
+#define SP_TCACHE_SPAN_SHIFT 18
+#define SP_TCACHE_SPAN ((size_t)1 << SP_TCACHE_SPAN_SHIFT) /* span size and alignment: 256 KiB */
+#define SP_TCACHE_COLOUR_SHIFT 8 /* span headers sit at one of 16 offsets, 256 bytes apart */
+#define SP_TCACHE_COLOURS 16
 #define SP_TCACHE_MAX_CLASS_LIMIT ((size_t)64 * 1024)
 #define SP_TCACHE_CLASSES 80      /* 16..128 by 16 (8), then 8 per doubling up to 64 KiB (72) */
 #define SP_TCACHE_LOOKUP_MAX 1024 /* sizes up to this use the inline class table */
@@ -187,23 +190,25 @@ typedef struct sp_tcache_block {
     uintptr_t tag; /* address ^ key while free; 0 when handed out */
 } sp_tcache_block;
 
-/* The first part of every span header; the span starts at an SP_TCACHE_SPAN boundary. The
+/* The first part of every span header. The span starts at an SP_TCACHE_SPAN boundary; its
+ * header at sp_tcache_span_of_ (its colour offset), its blocks after the header. The
  * first cache line is read by every free (any thread) and written only when the span changes
  * hands or carves; the second is the owner's, written by every alloc and owner free: a remote
  * free never pulls the owner's hot line away from it. */
 typedef struct sp_tcache_span {
-    uint32_t start;          /* offset of the first block */
-    uint32_t div_mul;        /* exact division by the block size: rotr32(off * div_mul, div_rot) */
-    uint32_t div_rot;        /*   is off / block size when off is a multiple of it, else larger
-                                  than any block index (sp_tcache_block_index_) */
-    uint32_t carved_blocks;  /* blocks cut from the span so far: one compare of the index
-                                against it tests "a carved block start" */
-    struct sp_tcache *owner; /* read by any thread (atomically); written by the owner. At
-                                offset 16: clear of the links TLSF writes into a freed span */
+    uint32_t start;          /* offset of the first block from the span's start */
     uint32_t first32;        /* low 32 bits of the first block's address: (uint32_t)p - first32 is
                                 p's offset from it (the span is aligned to 256 KiB) */
+    uint32_t carved_end;     /* offset from the first block of the end of the blocks cut from
+                                the span so far (the rest is not handed out yet) */
+    uint32_t pad_;
+    struct sp_tcache *owner; /* read by any thread (atomically); written by the owner. At
+                                offset 16: clear of the links TLSF writes into a freed span */
+    uint64_t div_magic;      /* ceil(2^64 / block size): off is a multiple of the block size
+                                iff off * div_magic < div_magic (mod 2^64; off < 2^32) */
     _Alignas(64) sp_tcache_block *free; /* owner's free list */
-    uint32_t used;                      /* blocks handed out and not yet back with the owner */
+    uint32_t used; /* blocks handed out and not yet back with the owner; plus 2^31 while the
+                      span is current (an inline free reaching 0 hands it to the slow path) */
 } sp_tcache_span;
 
 typedef struct sp_tcache {
@@ -229,13 +234,26 @@ void sp_tcache_span_emptied(sp_tcache_span *s);
 
 #define SP_TCACHE_INLINE SP_INLINE_FAST_PATHS
 
-/* The index of the block at address a in span s, or a number >= s->carved_blocks when a is
- * not the start of a carved block (below the first block, between two, past the carved
- * ones). Every free's pointer check, inline and out of line. */
-static inline __attribute__((always_inline)) uint32_t
-sp_tcache_block_index_(const sp_tcache_span *s, uintptr_t a) {
-    uint32_t q = ((uint32_t)a - s->first32) * s->div_mul;
-    return (q >> s->div_rot) | (q << ((32 - s->div_rot) & 31));
+/* The header of the span holding address a. Spans are aligned to their size, so every span
+ * header at the span's start would share one set of the L1 and L2 caches (sets are chosen by
+ * the low address bits), and a thread's spans of 16 classes would evict each other's headers
+ * on every free; the header sits instead at one of SP_TCACHE_COLOURS offsets, picked by the
+ * span's address bits just above its size: spans next to each other differ. */
+static inline __attribute__((always_inline)) sp_tcache_span *sp_tcache_span_of_(uintptr_t a) {
+    uintptr_t colour = (a >> (SP_TCACHE_SPAN_SHIFT - SP_TCACHE_COLOUR_SHIFT)) &
+                       ((uintptr_t)(SP_TCACHE_COLOURS - 1) << SP_TCACHE_COLOUR_SHIFT);
+    return (sp_tcache_span *)((a & ~(uintptr_t)(SP_TCACHE_SPAN - 1)) + colour);
+}
+
+/* Whether address a in span s is the start of a carved block (not below the first block,
+ * between two, or past the carved ones): the divisibility test of Lemire, Kaser and Kurz,
+ * "Faster remainder by direct computation" (2019), one multiply. Every free's pointer check,
+ * inline and out of line. */
+static inline __attribute__((always_inline)) bool sp_tcache_block_start_(const sp_tcache_span *s,
+                                                                         uintptr_t a) {
+    uint32_t off = (uint32_t)a - s->first32;
+    return off < __atomic_load_n(&s->carved_end, __ATOMIC_RELAXED) &&
+           (uint64_t)off * s->div_magic < s->div_magic;
 }
 
 #if SP_TCACHE_INLINE
@@ -297,15 +315,14 @@ static inline __attribute__((always_inline)) void *sp_tcache_alloc(size_t size) 
 
 static inline __attribute__((always_inline)) void sp_tcache_free_in_span_(sp_tcache *c, void *p) {
     uintptr_t a = (uintptr_t)p;
-    sp_tcache_span *s = (sp_tcache_span *)(a & ~(uintptr_t)(SP_TCACHE_SPAN - 1));
+    sp_tcache_span *s = sp_tcache_span_of_(a);
     sp_tcache_block *b = (sp_tcache_block *)p;
-    uint32_t q = sp_tcache_block_index_(s, a);
+    uintptr_t tag = a ^ sp_tcache_g.key;
     if (__builtin_expect(__atomic_load_n(&s->owner, __ATOMIC_RELAXED) == c &&
-                             q < __atomic_load_n(&s->carved_blocks, __ATOMIC_RELAXED) &&
-                             b->tag != (a ^ sp_tcache_g.key),
+                             sp_tcache_block_start_(s, a) && b->tag != tag,
                          1)) {
         b->next = s->free;
-        b->tag = a ^ sp_tcache_g.key;
+        b->tag = tag;
         s->free = b;
         if (__builtin_expect(sp_tcache_used_dec_(s), 0)) sp_tcache_span_emptied(s);
         return;

@@ -45,11 +45,17 @@ uint32_t tcache_class_of(size_t n) {
     return 8 + 8 * g + (uint32_t)((n - 1) >> (g + 4)) - 8;
 }
 
-/* Offset of the first block: pow2 classes from 512 B on start aligned to min(size, 4 KiB), so
- * that aligned_alloc can use them; the rest after the header. */
-static uint32_t class_start(uint32_t bs) {
-    if (sp_is_pow2(bs) && bs >= 512) return bs < 4096 ? bs : 4096;
-    return SPAN_HEADER;
+/* The alignment of a class's first block, whatever the span's colour: pow2 classes from 512 B
+ * on start aligned to min(size, 4 KiB), so that aligned_alloc can use them; the rest right
+ * after the header (whose end is a multiple of SPAN_HEADER). */
+static uint32_t class_align(uint32_t bs) {
+    return sp_is_pow2(bs) && bs >= 512 ? (bs < 4096 ? bs : 4096) : SPAN_HEADER;
+}
+
+/* Offset of the first block of class size bs in a span whose header ends at header_end. */
+static uint32_t class_start(uint32_t bs, uint32_t header_end) {
+    uint32_t align = class_align(bs);
+    return (header_end + align - 1) & ~(align - 1);
 }
 
 static void classes_init(uint32_t max_class) {
@@ -69,26 +75,17 @@ static uintptr_t span_magic(const span *s) {
     return (uintptr_t)s ^ sp_tcache_g.key ^ (uintptr_t)0x5350414e5350414eull;
 }
 
-/* Exact division constants for d = d0 * 2^r (d0 odd): n % d == 0 iff
- * rotr32(n * inverse(d0), r) <= UINT32_MAX / d, and then it is n / d; a non-multiple gives
- * more than UINT32_MAX / d >= any block index (sp_tcache_block_index_). */
-static void span_divisor(span *s, uint32_t d) {
-    uint32_t r = (uint32_t)__builtin_ctz(d), d0 = d >> r, x = d0;
-    for (int i = 0; i < 5; i++) x *= 2 - d0 * x; /* Newton: inverse mod 2^32 */
-    s->pub.div_mul = x;
-    s->pub.div_rot = r;
-}
-
 /* Turn s (fresh from the heap, empty or adopted-empty) into an empty span of class k owned by
  * c. The block area becomes allocator-internal for the sanitizers. */
 TRACK_INTERNAL static void span_format(span *s, cache *c, uint32_t k) {
     uint32_t bs = tcache_class_size(k);
     s->pub.free = NULL;
     __atomic_store_n(&s->pub.used, 0, __ATOMIC_RELAXED);
-    s->pub.start = class_start(bs);
-    s->pub.first32 = (uint32_t)((uintptr_t)s + s->pub.start);
-    __atomic_store_n(&s->pub.carved_blocks, 0, __ATOMIC_RELAXED);
-    span_divisor(s, bs);
+    char *base = span_base(s);
+    s->pub.start = class_start(bs, (uint32_t)((char *)s - base) + SPAN_HEADER);
+    s->pub.first32 = (uint32_t)(uintptr_t)(base + s->pub.start);
+    __atomic_store_n(&s->pub.carved_end, 0, __ATOMIC_RELAXED);
+    s->pub.div_magic = UINT64_MAX / bs + 1;
     s->cls = k;
     s->block_size = bs;
     s->capacity = (uint32_t)((SP_TCACHE_SPAN - SPAN_TAIL - s->pub.start) / bs);
@@ -97,19 +94,19 @@ TRACK_INTERNAL static void span_format(span *s, cache *c, uint32_t k) {
     s->magic = span_magic(s);
     __atomic_store_n(&s->owner_tid, c ? c->tid : 0, __ATOMIC_RELAXED);
     __atomic_store_n(&s->pub.owner, c ? &c->pub : NULL, __ATOMIC_RELEASE);
-    track_pool((char *)s + s->pub.start, SP_TCACHE_SPAN - SPAN_TAIL - s->pub.start);
+    track_pool(base + s->pub.start, SP_TCACHE_SPAN - SPAN_TAIL - s->pub.start);
 }
 
 /* Cut up to a page worth of blocks (at least one) from the uncarved tail onto the free list.
  * Returns false when the span is fully carved. */
 TRACK_INTERNAL static bool span_carve(span *s) {
-    uint32_t bs = s->block_size, done = s->pub.carved_blocks;
-    uint32_t left = s->capacity - done;
+    uint32_t bs = s->block_size, done = s->pub.carved_end; /* bytes */
+    uint32_t left = s->capacity - done / bs;
     if (left == 0) return false;
     uint32_t n = 4096 / bs;
     if (n == 0) n = 1;
     if (n > left) n = left;
-    char *first = (char *)s + s->pub.start + (size_t)done * bs;
+    char *first = span_base(s) + s->pub.start + done;
     sp_tcache_block *head = s->pub.free;
     for (uint32_t i = n; i-- > 0;) {
         sp_tcache_block *b = (sp_tcache_block *)(first + (size_t)i * bs);
@@ -118,7 +115,7 @@ TRACK_INTERNAL static bool span_carve(span *s) {
         head = b;
     }
     s->pub.free = head;
-    __atomic_store_n(&s->pub.carved_blocks, done + n, __ATOMIC_RELAXED);
+    __atomic_store_n(&s->pub.carved_end, done + n * bs, __ATOMIC_RELAXED);
     return true;
 }
 
@@ -147,28 +144,29 @@ TRACK_INTERNAL uint32_t span_collect(span *s, cache *c) {
 }
 
 static bool span_has_room(span *s) {
-    return s->pub.free != NULL || s->pub.carved_blocks < s->capacity ||
+    return s->pub.free != NULL || s->pub.carved_end < s->capacity * s->block_size ||
            atomic_load_explicit(&s->inbox, memory_order_relaxed) != 0;
 }
 
 /* A new span from the central span heap, formatted for class k; NULL if the heap cannot grow. */
 static span *span_new(cache *c, uint32_t k) {
-    span *s = heap_alloc(&tc.spans, SP_TCACHE_SPAN, SP_TCACHE_SPAN - SPAN_TAIL);
-    if (s) {
-        track_subpool_begin(s, SP_TCACHE_SPAN - SPAN_TAIL);
-        span_format(s, c, k);
-    }
+    char *base = heap_alloc(&tc.spans, SP_TCACHE_SPAN, SP_TCACHE_SPAN - SPAN_TAIL);
+    if (!base) return NULL;
+    track_subpool_begin(base, SP_TCACHE_SPAN - SPAN_TAIL);
+    span *s = span_at(base);
+    span_format(s, c, k);
     return s;
 }
 
 /* Give an empty span back to the central heap. */
 TRACK_INTERNAL void span_release(span *s) {
-    SP_INVARIANT(s->pub.used == 0, "span_release", s);
-    track_release((char *)s + s->pub.start, SP_TCACHE_SPAN - SPAN_TAIL - s->pub.start);
+    SP_INVARIANT(s->pub.used == 0, "span_release", s); /* and not current */
+    char *base = span_base(s);
+    track_release(base + s->pub.start, SP_TCACHE_SPAN - SPAN_TAIL - s->pub.start);
     s->magic = 0;
     __atomic_store_n(&s->pub.owner, NULL, __ATOMIC_RELAXED);
-    track_subpool_end(s, SP_TCACHE_SPAN - SPAN_TAIL);
-    heap_free(&tc.spans, s);
+    track_subpool_end(base, SP_TCACHE_SPAN - SPAN_TAIL);
+    heap_free(&tc.spans, base);
 }
 
 /* ---- a cache's lists (changes under c->lock: status readers walk them) ------------------- */
@@ -199,8 +197,13 @@ static void ring_remove(cache *c, span *s) {
 }
 
 /* Set cur[k] and the direct entries of the sizes in class k (list lock held, or the cache
- * not yet visible). */
+ * not yet visible); moves the current-span bias of `used` from the old span to s. */
 void tcache_set_cur(cache *c, uint32_t k, span *s) {
+    span *old = (span *)c->pub.cur[k];
+    if (old != &tcache_sentinel)
+        __atomic_store_n(&old->pub.used, old->pub.used - SPAN_CURRENT, __ATOMIC_RELAXED);
+    if (s != &tcache_sentinel)
+        __atomic_store_n(&s->pub.used, s->pub.used + SPAN_CURRENT, __ATOMIC_RELAXED);
     c->pub.cur[k] = &s->pub;
     for (uint32_t i = 0; i < SP_ARRAY_LEN(c->pub.direct); i++)
         if (sp_tcache_g.class_of[i] == k) c->pub.direct[i] = &s->pub;
@@ -362,13 +365,14 @@ void tcache_cache_init(cache *c, uint64_t tid) {
 
 sp_tcache *tcache_create(void) {
     if (!tcache_ready()) return NULL;
-    /* A cache record gets a span of its own (one page of it is touched), after a zeroed
+    /* A cache record gets a span of its own (a page or two of it is touched), after a zeroed
      * header: a user's stale or forged free into it fails the magic check, where a record in
      * the large heap could be freed by a stale large pointer that happened to match it. */
     char *rec = heap_alloc(&tc.spans, SP_TCACHE_SPAN, SP_TCACHE_SPAN - SPAN_TAIL);
     if (!rec) return NULL;
-    memset(rec, 0, SPAN_HEADER);
-    cache *c = (cache *)(rec + SPAN_HEADER);
+    span *h = span_at(rec);
+    memset(h, 0, SPAN_HEADER);
+    cache *c = (cache *)((char *)h + SPAN_HEADER);
     tcache_cache_init(c, sp_thread_os_id());
     registry_add(c);
     return &c->pub;
@@ -425,7 +429,7 @@ void tcache_destroy(sp_tcache *pc) {
     tcache_cache_drain(c); /* still registered: its collections are counted */
     track_leave();
     registry_remove(c);
-    heap_free(&tc.spans, (char *)c - SPAN_HEADER);
+    heap_free(&tc.spans, span_base(c));
 }
 
 sp_tcache *tcache_bind(sp_tcache *c) {
@@ -488,7 +492,7 @@ TRACK_INTERNAL static void *block_alloc(size_t size, size_t align) {
         k = tcache_class_of(want);
         if (align > 16) /* the first class whose blocks are all aligned */
             while (k < tc.class_count &&
-                   (tcache_class_size(k) % align || class_start(tcache_class_size(k)) % align))
+                   (tcache_class_size(k) % align || class_align(tcache_class_size(k)) % align))
                 k++;
         if (k >= tc.class_count) k = SP_TCACHE_CLASSES;
     }
@@ -540,8 +544,7 @@ TRACK_INTERNAL bool tcache_block_check(span *s, const void *p, const char *call)
                          "%p lies in the span heap but in no span in use", p),
                false;
     uint64_t tid = __atomic_load_n(&s->owner_tid, __ATOMIC_RELAXED);
-    if (sp_tcache_block_index_(&s->pub, a) >=
-        __atomic_load_n(&s->pub.carved_blocks, __ATOMIC_RELAXED))
+    if (!sp_tcache_block_start_(&s->pub, a))
         return sp_misuse(SP_ERR_INVALID_POINTER, call, p,
                          "%p is not the start of a block (class %u, %u-byte blocks, span of "
                          "thread %llu)",
@@ -601,7 +604,7 @@ static where tcache_where(const void *p) {
 TRACK_INTERNAL static void block_free(void *p, const char *call) {
     switch (tcache_where(p)) {
     case IN_SPANS: {
-        span *s = (span *)((uintptr_t)p & ~(uintptr_t)(SP_TCACHE_SPAN - 1));
+        span *s = (span *)sp_tcache_span_of_((uintptr_t)p);
         if (!tcache_block_check(s, p, call)) return;
         cache *self = (cache *)sp_tcache_tls;
         if (self == &unattached && tls_exited) {
@@ -652,9 +655,10 @@ void sp_tcache_free_sized(void *p, size_t size) {
     sp_tcache_free(p);
 }
 
-/* Called by the owner when a free made its span empty (inline path or block_free_owner). */
+/* Called by the owner when a free made its span empty (inline path or block_free_owner); never
+ * for the current span (its bias keeps `used` above zero): that one stays, no ping-pong. */
 void tcache_span_emptied(cache *c, span *s) {
-    if ((span *)c->pub.cur[s->cls] == s) return; /* the current span stays: no ping-pong */
+    SP_INVARIANT((span *)c->pub.cur[s->cls] != s, "tcache_span_emptied", s);
     sp_mutex_lock(&c->lock);
     ring_remove(c, s);
     bool keep = c->empty_count < tc.keep_empty;
@@ -677,7 +681,7 @@ void sp_tcache_span_emptied(sp_tcache_span *s) {
 TRACK_INTERNAL static size_t block_usable(const void *p, const char *call) {
     switch (tcache_where(p)) {
     case IN_SPANS: {
-        span *s = (span *)((uintptr_t)p & ~(uintptr_t)(SP_TCACHE_SPAN - 1));
+        span *s = (span *)sp_tcache_span_of_((uintptr_t)p);
         return tcache_block_check(s, p, call) ? s->block_size : 0;
     }
     case IN_LARGE: return heap_usable(&tc.large, p);
@@ -698,7 +702,7 @@ TRACK_INTERNAL size_t sp_tcache_usable_size(const void *p) {
 TRACK_INTERNAL uint64_t sp_tcache_owner_thread(const void *p) {
     if (!p || tcache_where(p) != IN_SPANS) return 0;
     track_enter();
-    span *s = (span *)((uintptr_t)p & ~(uintptr_t)(SP_TCACHE_SPAN - 1));
+    span *s = (span *)sp_tcache_span_of_((uintptr_t)p);
     uint64_t tid = s->magic == span_magic(s) ? __atomic_load_n(&s->owner_tid, __ATOMIC_RELAXED) : 0;
     track_leave();
     return tid;

@@ -1,11 +1,12 @@
 /* Internals of the thread caches shared by alloc/tcache*.c and white-box tests (not installed).
  *
- * A span (SP_TCACHE_SPAN bytes, aligned to its size) starts with this header; its blocks
- * follow from `start`. Every span is, at any time, exactly one of: the current span of its
+ * A span (SP_TCACHE_SPAN bytes, aligned to its size) holds this header at its colour offset
+ * (sp_tcache_span_of_: 0..15 x 256 bytes); its blocks follow from `start` (an offset from the
+ * span's start, past the header; the bytes before the header stay unused). Every span is, at any time, exactly one of: the current span of its
  * class in its owner's cache, on its owner's ring of that class, on its owner's empty list
  * (used == 0), on the global orphan list of its class (owner NULL), or free in the central
  * span heap (magic and owner cleared). Only the owner (or, for orphans, the orphan lock
- * holder) touches `free`, `carved_blocks` and the list links; any thread pushes onto `inbox`.
+ * holder) touches `free`, `carved_end` and the list links; any thread pushes onto `inbox`.
  */
 #ifndef SP_TCACHE_INTERNAL_H
 #define SP_TCACHE_INTERNAL_H
@@ -18,9 +19,15 @@
 
 enum {
     INBOX_BITS = 48,
-    SPAN_HEADER = 256, /* bytes before the first block (alignment of blocks: 16 and up) */
+    SPAN_HEADER = 256, /* bytes of a span header, and the step between its colour offsets */
     SPAN_TAIL = 16,    /* the last 16 bytes hold the next TLSF block's header */
 };
+
+/* Added to `used` while a span is its class's current span, so that a free emptying the
+ * current span (which stays current: nothing to do) does not reach zero; only spans off duty
+ * take the inline free's rare branch to tcache_span_emptied. */
+#define SPAN_CURRENT 0x80000000u
+
 
 /* An inbox word: the list head in the low INBOX_BITS bits, the count above. */
 SP_INLINE sp_tcache_block *inbox_list(uintptr_t v) {
@@ -46,6 +53,21 @@ typedef struct span {
 } span;
 
 _Static_assert(sizeof(span) <= SPAN_HEADER, "span header must fit in front of the blocks");
+_Static_assert(SPAN_HEADER == 1 << SP_TCACHE_COLOUR_SHIFT, "colour offsets are headers apart");
+
+/* Blocks of s handed out and not back with its owner (used without the current-span bias);
+ * any thread, relaxed. */
+SP_INLINE uint32_t span_used(const span *s) {
+    return __atomic_load_n(&s->pub.used, __ATOMIC_RELAXED) & ~SPAN_CURRENT;
+}
+
+/* The header of the span that starts at base, and the start of the span holding p. */
+SP_INLINE span *span_at(void *base) {
+    return (span *)sp_tcache_span_of_((uintptr_t)base);
+}
+SP_INLINE char *span_base(const void *p) {
+    return (char *)((uintptr_t)p & ~(uintptr_t)(SP_TCACHE_SPAN - 1));
+}
 
 typedef struct cache {
     sp_tcache pub;                 /* cur[]: read by the inline alloc path */

@@ -8,7 +8,7 @@
 
 /* Add span s (of a cache or an orphan) to the figures. */
 static void span_count(const span *s, sp_tcache_status *st, bool empty_list) {
-    uint32_t used = __atomic_load_n(&s->pub.used, __ATOMIC_RELAXED);
+    uint32_t used = span_used(s);
     uint32_t bs = s->block_size;
     st->spans += !empty_list;
     st->spans_empty += empty_list || used == 0;
@@ -108,7 +108,7 @@ static size_t cache_trim(cache *c) {
         span *cur = (span *)c->pub.cur[k];
         if (cur != &tcache_sentinel) {
             span_collect(cur, c);
-            if (cur->pub.used == 0) {
+            if (span_used(cur) == 0) {
                 sp_mutex_lock(&c->lock);
                 tcache_set_cur(c, k, &tcache_sentinel);
                 sp_mutex_unlock(&c->lock);

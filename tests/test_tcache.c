@@ -190,6 +190,31 @@ static void test_hysteresis(void) {
     for (int i = 0; i < n; i++) sp_tcache_free(blocks[i]);
 }
 
+/* Span headers sit at their colour offset: blocks of every class lie past the header and
+ * inside the span, and the spans of one class spread over the colours. */
+static void test_colours(void) {
+    enum { N = 200 };
+    static const size_t sizes[] = {16, 48, 1000, 4096, 24000};
+    bool inside = true;
+    unsigned seen = 0; /* bit per colour */
+    for (size_t i = 0; i < SP_ARRAY_LEN(sizes); i++) {
+        void *blocks[N];
+        for (int j = 0; j < N; j++) {
+            char *p = blocks[j] = sp_tcache_alloc(sizes[i]);
+            char *base = (char *)((uintptr_t)p & ~(SP_TCACHE_SPAN - 1));
+            char *h = (char *)sp_tcache_span_of_((uintptr_t)p);
+            size_t colour = (size_t)(h - base) / SPAN_HEADER;
+            seen |= 1u << colour;
+            inside = inside && colour < SP_TCACHE_COLOURS && p >= h + SPAN_HEADER &&
+                     p + sp_tcache_usable_size(p) <= base + SP_TCACHE_SPAN - SPAN_TAIL;
+        }
+        for (int j = 0; j < N; j++) sp_tcache_free(blocks[j]);
+    }
+    ok(inside, "blocks lie between their span's coloured header and its end");
+    ok(__builtin_popcount(seen) >= 8, "spans take different colours (%d of %d seen)",
+       __builtin_popcount(seen), SP_TCACHE_COLOURS);
+}
+
 typedef struct exiting {
     void *blocks[3000];
     int n;
@@ -273,7 +298,7 @@ static void test_leak_check(void) {
 }
 
 int main(void) {
-    plan(28);
+    plan(30);
     ok(sp_tcache_init(&(sp_tcache_desc){.region_size = (size_t)1 << 30}) == SP_OK, "init");
     test_classes();
     test_alloc_free();
@@ -281,6 +306,7 @@ int main(void) {
     test_calloc_realloc();
     test_aligned();
     test_hysteresis();
+    test_colours();
     test_orphans();
     test_remote();
     test_leak_check();

@@ -81,7 +81,10 @@ static void test_reported(void) {
     refuse_all(live + 16, SP_ERR_INVALID_POINTER, "sp_tcache_free", "interior +16");
     refuse_all(live + 1, SP_ERR_INVALID_POINTER, "sp_tcache_free", "misaligned +1");
     uintptr_t span = (uintptr_t)live & ~(SP_TCACHE_SPAN - 1);
-    refuse_all((void *)(span + 64), SP_ERR_INVALID_POINTER, "sp_tcache_free", "span header");
+    refuse_all((char *)sp_tcache_span_of_((uintptr_t)live) + 64, SP_ERR_INVALID_POINTER,
+               "sp_tcache_free", "span header");
+    refuse_all((void *)(span + 16), SP_ERR_INVALID_POINTER, "sp_tcache_free",
+               "the span's start (before its header)");
     refuse_all((void *)(span + SP_TCACHE_SPAN - 96), SP_ERR_INVALID_POINTER, "sp_tcache_free",
                "a block not carved yet");
     refuse_all(&on_stack, SP_ERR_FOREIGN_POINTER, "sp_tcache_free", "stack address");
@@ -150,7 +153,7 @@ static void test_fatal(void) {
 }
 
 int main(void) {
-    plan(40);
+    plan(43);
     test_reported();
     test_fatal();
     sp_tcache_free(live);
