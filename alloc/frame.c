@@ -260,9 +260,18 @@ SP_NOINLINE void *sp_frame_alloc_generic(sp_frame_arena *a, size_t align, size_t
 
 /* ---- frames ------------------------------------------------------------------------------ */
 
+/* The bitmap words that can hold claims: every claimed chunk lies below lo (a fresh claim
+ * raises lo first, a sticky one raises it past its chunk), so a frame that used a few chunks
+ * costs its status and its reclaim a word or two, not the whole map. */
+static size_t bit_words_used(const sp_frame_arena *a, const frame_buffer *b) {
+    size_t lo = word_lo(__atomic_load_n(&b->word, __ATOMIC_RELAXED));
+    size_t n = (lo + 63) / 64;
+    return n < a->bit_words ? n : a->bit_words;
+}
+
 static size_t chunks_claimed(const sp_frame_arena *a, const frame_buffer *b) {
     size_t n = 0;
-    for (size_t k = 0; k < a->bit_words; k++)
+    for (size_t k = bit_words_used(a, b); k-- > 0;)
         n += (size_t)__builtin_popcountll(__atomic_load_n(&b->bits[k], __ATOMIC_RELAXED));
     return n;
 }
@@ -313,7 +322,7 @@ static void buffer_reclaim(sp_frame_arena *a, frame_buffer *b) {
 #if TRACK_ASAN || TRACK_VALGRIND || SP_DEBUG >= 1
     buffer_poison(a, b);
 #endif
-    for (size_t k = 0; k < a->bit_words; k++) __atomic_store_n(&b->bits[k], 0, __ATOMIC_RELAXED);
+    for (size_t k = bit_words_used(a, b); k-- > 0;) __atomic_store_n(&b->bits[k], 0, __ATOMIC_RELAXED);
     __atomic_store_n(&b->word, (uint64_t)a->capacity << LO_BITS, __ATOMIC_RELAXED);
     __atomic_store_n(&b->overflows, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&b->overflow_bytes, 0, __ATOMIC_RELAXED);
@@ -321,7 +330,7 @@ static void buffer_reclaim(sp_frame_arena *a, frame_buffer *b) {
 
 static void status_fill(const sp_frame_arena *a, uint32_t i, sp_frame_buffer_status *out) {
     const frame_buffer *b = &a->buf[i];
-    /* In use: the claimed chunks and everything from hi up (the direct ranges). O(chunks/64). */
+    /* In use: the claimed chunks and everything from hi up (the direct ranges). O(lo / 64). */
     size_t chunks = chunks_claimed(a, b);
     size_t used = chunks * a->chunk_size +
                   (a->capacity - word_hi(__atomic_load_n(&b->word, __ATOMIC_RELAXED)));
