@@ -291,7 +291,7 @@ static void heap_list_free(sp_frame_arena *a, frame_buffer *b) {
  * the reclaim is caught at its first use. */
 static void buffer_poison(const sp_frame_arena *a, frame_buffer *b) {
     size_t hi = word_hi(__atomic_load_n(&b->word, __ATOMIC_RELAXED));
-    for (size_t k = 0; k < a->bit_words; k++) {
+    for (size_t k = bit_words_used(a, b); k-- > 0;) {
         for (uint64_t m = __atomic_load_n(&b->bits[k], __ATOMIC_RELAXED); m; m &= m - 1) {
             size_t i = k * 64 + (size_t)__builtin_ctzll(m);
             char *c = b->base + i * a->chunk_size;
@@ -315,14 +315,15 @@ static void buffer_poison(const sp_frame_arena *a, frame_buffer *b) {
 #endif
 
 /* Everything b held goes: heap blocks freed, the used part poisoned in debug and tool builds
- * (O(used)), the bitmap cleared (O(chunks / 64): a few words; not O(allocations)) and the
- * bump state reset. */
+ * (O(used)), the bitmap words of the claimed chunks cleared (one per 64 chunks: a few words,
+ * not O(allocations)) and the bump state reset. */
 static void buffer_reclaim(sp_frame_arena *a, frame_buffer *b) {
     heap_list_free(a, b);
 #if TRACK_ASAN || TRACK_VALGRIND || SP_DEBUG >= 1
     buffer_poison(a, b);
 #endif
-    for (size_t k = bit_words_used(a, b); k-- > 0;) __atomic_store_n(&b->bits[k], 0, __ATOMIC_RELAXED);
+    for (size_t k = bit_words_used(a, b); k-- > 0;)
+        __atomic_store_n(&b->bits[k], 0, __ATOMIC_RELAXED);
     __atomic_store_n(&b->word, (uint64_t)a->capacity << LO_BITS, __ATOMIC_RELAXED);
     __atomic_store_n(&b->overflows, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&b->overflow_bytes, 0, __ATOMIC_RELAXED);

@@ -3,8 +3,9 @@
  * Requests up to a configurable maximum (default 32 KiB) are served from size classes (16 B
  * steps up to 128 B, then 8 classes per doubling: internal waste at most 12.5% above 128 B).
  * Each thread owns a cache; a cache holds, per class, spans of SP_TCACHE_SPAN bytes carved
- * from a central TLSF heap, aligned to their size so that any block finds its span header by
- * masking its address. A span is cut into equal blocks with an intrusive free list.
+ * from a central TLSF heap, aligned to their size so that any block finds its span header from
+ * its address alone (masked, plus the span's colour offset: sp_tcache_span_of_). A span is cut
+ * into equal blocks with an intrusive free list.
  *   alloc on the owner:  thread-local cache pointer, class lookup, pop. No atomics, no locks.
  *   free on the owner:   range check, span header, checks, push. No atomics, no locks.
  *   free on any other thread: a lock-free push onto the span's inbox (a Treiber stack that is
@@ -196,11 +197,11 @@ typedef struct sp_tcache_block {
  * hands or carves; the second is the owner's, written by every alloc and owner free: a remote
  * free never pulls the owner's hot line away from it. */
 typedef struct sp_tcache_span {
-    uint32_t start;          /* offset of the first block from the span's start */
-    uint32_t first32;        /* low 32 bits of the first block's address: (uint32_t)p - first32 is
-                                p's offset from it (the span is aligned to 256 KiB) */
-    uint32_t carved_end;     /* offset from the first block of the end of the blocks cut from
-                                the span so far (the rest is not handed out yet) */
+    uint32_t start;      /* offset of the first block from the span's start */
+    uint32_t first32;    /* low 32 bits of the first block's address: (uint32_t)p - first32
+                            is p's offset from it (the span is aligned to 256 KiB) */
+    uint32_t carved_end; /* offset from the first block of the end of the blocks cut from the
+                            span so far (the rest is not handed out yet) */
     uint32_t pad_;
     struct sp_tcache *owner; /* read by any thread (atomically); written by the owner. At
                                 offset 16: clear of the links TLSF writes into a freed span */

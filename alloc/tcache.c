@@ -134,7 +134,7 @@ TRACK_INTERNAL uint32_t span_collect(span *s, cache *c) {
         tail->next = s->pub.free;
     }
     s->pub.free = list;
-    SP_INVARIANT(n <= s->pub.used, "span_collect", s);
+    SP_INVARIANT(n <= span_used(s), "span_collect", s);
     __atomic_store_n(&s->pub.used, s->pub.used - n, __ATOMIC_RELAXED);
     if (c)
         __atomic_store_n(&c->remote_collected, c->remote_collected + n, __ATOMIC_RELAXED);
@@ -200,6 +200,8 @@ static void ring_remove(cache *c, span *s) {
  * not yet visible); moves the current-span bias of `used` from the old span to s. */
 void tcache_set_cur(cache *c, uint32_t k, span *s) {
     span *old = (span *)c->pub.cur[k];
+    SP_INVARIANT(old == &tcache_sentinel || (old->pub.used & SPAN_CURRENT), "tcache_set_cur", old);
+    SP_INVARIANT(s == &tcache_sentinel || !(s->pub.used & SPAN_CURRENT), "tcache_set_cur", s);
     if (old != &tcache_sentinel)
         __atomic_store_n(&old->pub.used, old->pub.used - SPAN_CURRENT, __ATOMIC_RELAXED);
     if (s != &tcache_sentinel)

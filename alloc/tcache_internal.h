@@ -2,8 +2,9 @@
  *
  * A span (SP_TCACHE_SPAN bytes, aligned to its size) holds this header at its colour offset
  * (sp_tcache_span_of_: 0..15 x 256 bytes); its blocks follow from `start` (an offset from the
- * span's start, past the header; the bytes before the header stay unused). Every span is, at any time, exactly one of: the current span of its
- * class in its owner's cache, on its owner's ring of that class, on its owner's empty list
+ * span's start, past the header; the bytes before the header stay unused). Every span is, at
+ * any time, exactly one of: the current span of its class in its owner's cache (`used`
+ * carries SPAN_CURRENT), on its owner's ring of that class, on its owner's empty list
  * (used == 0), on the global orphan list of its class (owner NULL), or free in the central
  * span heap (magic and owner cleared). Only the owner (or, for orphans, the orphan lock
  * holder) touches `free`, `carved_end` and the list links; any thread pushes onto `inbox`.
@@ -27,7 +28,6 @@ enum {
  * current span (which stays current: nothing to do) does not reach zero; only spans off duty
  * take the inline free's rare branch to tcache_span_emptied. */
 #define SPAN_CURRENT 0x80000000u
-
 
 /* An inbox word: the list head in the low INBOX_BITS bits, the count above. */
 SP_INLINE sp_tcache_block *inbox_list(uintptr_t v) {

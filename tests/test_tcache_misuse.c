@@ -83,8 +83,7 @@ static void test_reported(void) {
     uintptr_t span = (uintptr_t)live & ~(SP_TCACHE_SPAN - 1);
     refuse_all((char *)sp_tcache_span_of_((uintptr_t)live) + 64, SP_ERR_INVALID_POINTER,
                "sp_tcache_free", "span header");
-    refuse_all((void *)(span + 16), SP_ERR_INVALID_POINTER, "sp_tcache_free",
-               "the span's start (before its header)");
+    refuse_all((void *)(span + 16), SP_ERR_INVALID_POINTER, "sp_tcache_free", "the span's start");
     refuse_all((void *)(span + SP_TCACHE_SPAN - 96), SP_ERR_INVALID_POINTER, "sp_tcache_free",
                "a block not carved yet");
     refuse_all(&on_stack, SP_ERR_FOREIGN_POINTER, "sp_tcache_free", "stack address");
