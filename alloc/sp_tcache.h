@@ -207,9 +207,11 @@ typedef struct sp_tcache_span {
                                 offset 16: clear of the links TLSF writes into a freed span */
     uint64_t div_magic;      /* ceil(2^64 / block size): off is a multiple of the block size
                                 iff off * div_magic < div_magic (mod 2^64; off < 2^32) */
-    _Alignas(64) sp_tcache_block *free; /* owner's free list */
-    uint32_t used; /* blocks handed out and not yet back with the owner; plus 2^31 while the
-                      span is current (an inline free reaching 0 hands it to the slow path) */
+    /* The owner's word: its free list (a list word, below) and, as the count, `used`: blocks
+     * handed out and not yet back with the owner, plus 2^15 while the span is current (a free
+     * that brings the count to 0 hands the span to the slow path). One word, so that an alloc
+     * and a free each store it once. Written by the owner only; read atomically by status. */
+    _Alignas(64) uintptr_t head;
 } sp_tcache_span;
 
 typedef struct sp_tcache {
@@ -234,6 +236,39 @@ void sp_tcache_free_generic(void *p);
 void sp_tcache_span_emptied(sp_tcache_span *s);
 
 #define SP_TCACHE_INLINE SP_INLINE_FAST_PATHS
+
+/* A list word: a block list in the low SP_TCACHE_LIST_BITS bits (user addresses stay below
+ * 2^48, checked at init), a count above them. The span's owner word and its remote inbox. */
+#define SP_TCACHE_LIST_BITS 48
+#define SP_TCACHE_COUNT_ONE ((uintptr_t)1 << SP_TCACHE_LIST_BITS)
+
+static inline __attribute__((always_inline)) sp_tcache_block *sp_tcache_list_(uintptr_t w) {
+    return (sp_tcache_block *)(w & (SP_TCACHE_COUNT_ONE - 1));
+}
+static inline __attribute__((always_inline)) uint32_t sp_tcache_count_(uintptr_t w) {
+    return (uint32_t)(w >> SP_TCACHE_LIST_BITS);
+}
+
+/* The owner's pop of b, the head of s's free list (h = s->head): the list moves on, the
+ * count goes up, the block is marked handed out. */
+static inline __attribute__((always_inline)) void sp_tcache_pop_(sp_tcache_span *s, uintptr_t h,
+                                                                 sp_tcache_block *b) {
+    __atomic_store_n(&s->head, h - (uintptr_t)b + (uintptr_t)b->next + SP_TCACHE_COUNT_ONE,
+                     __ATOMIC_RELAXED);
+    b->tag = 0;
+}
+
+/* The owner's push of the checked block b (tag: its free mark). True when the count reached
+ * 0: the span, not current, is empty. */
+static inline __attribute__((always_inline)) bool
+sp_tcache_push_(sp_tcache_span *s, sp_tcache_block *b, uintptr_t tag) {
+    uintptr_t h = s->head;
+    b->next = sp_tcache_list_(h);
+    b->tag = tag;
+    h = (h & ~(SP_TCACHE_COUNT_ONE - 1)) - SP_TCACHE_COUNT_ONE + (uintptr_t)b;
+    __atomic_store_n(&s->head, h, __ATOMIC_RELAXED);
+    return h < SP_TCACHE_COUNT_ONE;
+}
 
 /* The header of the span holding address a. Spans are aligned to their size, so every span
  * header at the span's start would share one set of the L1 and L2 caches (sets are chosen by
@@ -275,39 +310,14 @@ static inline __attribute__((always_inline)) sp_tcache *sp_tcache_self(void) {
 #endif
 }
 
-/* s->used += 1 / -= 1 by the owner; status readers on other threads load it atomically. An
- * atomic store of a computed value costs a load, the arithmetic and a store; on x86-64 one
- * plain (unlocked) add/sub on memory is the same single-copy-atomic store. ThreadSanitizer
- * builds keep the atomic store (it cannot see into the asm). */
-#if defined(__x86_64__) && !defined(__SANITIZE_THREAD__) && !SP_HAS_FEATURE(thread_sanitizer)
-static inline __attribute__((always_inline)) void sp_tcache_used_inc_(sp_tcache_span *s) {
-    __asm__ volatile("addl $1, %0" : "+m"(s->used) : : "cc");
-}
-static inline __attribute__((always_inline)) bool sp_tcache_used_dec_(sp_tcache_span *s) {
-    bool zero;
-    __asm__ volatile("subl $1, %0" : "+m"(s->used), "=@ccz"(zero));
-    return zero;
-}
-#else
-static inline __attribute__((always_inline)) void sp_tcache_used_inc_(sp_tcache_span *s) {
-    __atomic_store_n(&s->used, s->used + 1, __ATOMIC_RELAXED);
-}
-static inline __attribute__((always_inline)) bool sp_tcache_used_dec_(sp_tcache_span *s) {
-    uint32_t used = s->used - 1;
-    __atomic_store_n(&s->used, used, __ATOMIC_RELAXED);
-    return used == 0;
-}
-#endif
-
 static inline __attribute__((always_inline)) void *sp_tcache_alloc(size_t size) {
     sp_tcache *c = sp_tcache_self();
     if (__builtin_expect(size <= SP_TCACHE_LOOKUP_MAX, 1)) {
         sp_tcache_span *s = c->direct[(size + 15) >> 4];
-        sp_tcache_block *b = s->free;
+        uintptr_t h = s->head;
+        sp_tcache_block *b = sp_tcache_list_(h);
         if (__builtin_expect(b != NULL, 1)) {
-            s->free = b->next;
-            b->tag = 0;
-            sp_tcache_used_inc_(s);
+            sp_tcache_pop_(s, h, b);
             return b;
         }
     }
@@ -322,10 +332,7 @@ static inline __attribute__((always_inline)) void sp_tcache_free_in_span_(sp_tca
     if (__builtin_expect(__atomic_load_n(&s->owner, __ATOMIC_RELAXED) == c &&
                              sp_tcache_block_start_(s, a) && b->tag != tag,
                          1)) {
-        b->next = s->free;
-        b->tag = tag;
-        s->free = b;
-        if (__builtin_expect(sp_tcache_used_dec_(s), 0)) sp_tcache_span_emptied(s);
+        if (__builtin_expect(sp_tcache_push_(s, b, tag), 0)) sp_tcache_span_emptied(s);
         return;
     }
     sp_tcache_free_generic(p);

@@ -79,8 +79,7 @@ static uintptr_t span_magic(const span *s) {
  * c. The block area becomes allocator-internal for the sanitizers. */
 TRACK_INTERNAL static void span_format(span *s, cache *c, uint32_t k) {
     uint32_t bs = tcache_class_size(k);
-    s->pub.free = NULL;
-    __atomic_store_n(&s->pub.used, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&s->pub.head, 0, __ATOMIC_RELAXED);
     char *base = span_base(s);
     s->pub.start = class_start(bs, (uint32_t)((char *)s - base) + SPAN_HEADER);
     s->pub.first32 = (uint32_t)(uintptr_t)(base + s->pub.start);
@@ -107,14 +106,14 @@ TRACK_INTERNAL static bool span_carve(span *s) {
     if (n == 0) n = 1;
     if (n > left) n = left;
     char *first = span_base(s) + s->pub.start + done;
-    sp_tcache_block *head = s->pub.free;
+    sp_tcache_block *head = span_free(s);
     for (uint32_t i = n; i-- > 0;) {
         sp_tcache_block *b = (sp_tcache_block *)(first + (size_t)i * bs);
         b->next = head;
         b->tag = (uintptr_t)b ^ sp_tcache_g.key; /* carved blocks count as free */
         head = b;
     }
-    s->pub.free = head;
+    span_free_set(s, head);
     __atomic_store_n(&s->pub.carved_end, done + n * bs, __ATOMIC_RELAXED);
     return true;
 }
@@ -125,17 +124,18 @@ TRACK_INTERNAL static bool span_carve(span *s) {
 TRACK_INTERNAL uint32_t span_collect(span *s, cache *c) {
     if (atomic_load_explicit(&s->inbox, memory_order_relaxed) == 0) return 0;
     uintptr_t v = atomic_exchange_explicit(&s->inbox, 0, memory_order_acquire);
-    /* Non-zero (seen above), taken only here: it holds a list of inbox_count >= 1 blocks. */
-    sp_tcache_block *list = inbox_list(v);
-    uint32_t n = inbox_count(v);
-    if (s->pub.free) {
+    /* Non-zero (seen above), taken only here: it holds a list of count >= 1 blocks. */
+    sp_tcache_block *list = sp_tcache_list_(v);
+    uint32_t n = sp_tcache_count_(v);
+    uintptr_t h = s->pub.head;
+    if (sp_tcache_list_(h)) {
         sp_tcache_block *tail = list;
         while (tail->next) tail = tail->next;
-        tail->next = s->pub.free;
+        tail->next = sp_tcache_list_(h);
     }
-    s->pub.free = list;
     SP_INVARIANT(n <= span_used(s), "span_collect", s);
-    __atomic_store_n(&s->pub.used, s->pub.used - n, __ATOMIC_RELAXED);
+    h = (h & ~(SP_TCACHE_COUNT_ONE - 1)) - n * SP_TCACHE_COUNT_ONE + (uintptr_t)list;
+    __atomic_store_n(&s->pub.head, h, __ATOMIC_RELAXED);
     if (c)
         __atomic_store_n(&c->remote_collected, c->remote_collected + n, __ATOMIC_RELAXED);
     else
@@ -144,7 +144,7 @@ TRACK_INTERNAL uint32_t span_collect(span *s, cache *c) {
 }
 
 static bool span_has_room(span *s) {
-    return s->pub.free != NULL || s->pub.carved_end < s->capacity * s->block_size ||
+    return span_free(s) != NULL || s->pub.carved_end < s->capacity * s->block_size ||
            atomic_load_explicit(&s->inbox, memory_order_relaxed) != 0;
 }
 
@@ -160,7 +160,7 @@ static span *span_new(cache *c, uint32_t k) {
 
 /* Give an empty span back to the central heap. */
 TRACK_INTERNAL void span_release(span *s) {
-    SP_INVARIANT(s->pub.used == 0, "span_release", s); /* and not current */
+    SP_INVARIANT(sp_tcache_count_(s->pub.head) == 0, "span_release", s); /* and not current */
     char *base = span_base(s);
     track_release(base + s->pub.start, SP_TCACHE_SPAN - SPAN_TAIL - s->pub.start);
     s->magic = 0;
@@ -200,12 +200,12 @@ static void ring_remove(cache *c, span *s) {
  * not yet visible); moves the current-span bias of `used` from the old span to s. */
 void tcache_set_cur(cache *c, uint32_t k, span *s) {
     span *old = (span *)c->pub.cur[k];
-    SP_INVARIANT(old == &tcache_sentinel || (old->pub.used & SPAN_CURRENT), "tcache_set_cur", old);
-    SP_INVARIANT(s == &tcache_sentinel || !(s->pub.used & SPAN_CURRENT), "tcache_set_cur", s);
+    SP_INVARIANT(old == &tcache_sentinel || (old->pub.head & SPAN_CURRENT), "tcache_set_cur", old);
+    SP_INVARIANT(s == &tcache_sentinel || !(s->pub.head & SPAN_CURRENT), "tcache_set_cur", s);
     if (old != &tcache_sentinel)
-        __atomic_store_n(&old->pub.used, old->pub.used - SPAN_CURRENT, __ATOMIC_RELAXED);
+        __atomic_store_n(&old->pub.head, old->pub.head - SPAN_CURRENT, __ATOMIC_RELAXED);
     if (s != &tcache_sentinel)
-        __atomic_store_n(&s->pub.used, s->pub.used + SPAN_CURRENT, __ATOMIC_RELAXED);
+        __atomic_store_n(&s->pub.head, s->pub.head + SPAN_CURRENT, __ATOMIC_RELAXED);
     c->pub.cur[k] = &s->pub;
     for (uint32_t i = 0; i < SP_ARRAY_LEN(c->pub.direct); i++)
         if (sp_tcache_g.class_of[i] == k) c->pub.direct[i] = &s->pub;
@@ -288,18 +288,18 @@ static void orphan_push(span *s) {
 /* A block of class k from cache c when cur[k]'s free list is empty. NULL: out of memory. */
 TRACK_INTERNAL static sp_tcache_block *class_refill(cache *c, uint32_t k) {
     span *s = (span *)c->pub.cur[k];
-    if (s != &tcache_sentinel && (span_collect(s, c) || span_carve(s))) return s->pub.free;
+    if (s != &tcache_sentinel && (span_collect(s, c) || span_carve(s))) return span_free(s);
     bool from_ring = true;
     span *t = ring_scan(c, k);
     if (t) {
         span_collect(t, c);
-        if (!t->pub.free) span_carve(t);
+        if (!span_free(t)) span_carve(t);
     } else {
         from_ring = false;
         t = empty_take(c, k);
         if (!t) {
             t = orphan_adopt(c, k);
-            if (t && !t->pub.free && !span_carve(t)) {
+            if (t && !span_free(t) && !span_carve(t)) {
                 sp_mutex_lock(&c->lock); /* full: keep it on the ring, take a new one */
                 ring_insert(c, t);
                 sp_mutex_unlock(&c->lock);
@@ -308,24 +308,22 @@ TRACK_INTERNAL static sp_tcache_block *class_refill(cache *c, uint32_t k) {
         }
         if (!t) t = span_new(c, k);
         if (!t) return NULL;
-        if (!t->pub.free) span_carve(t);
+        if (!span_free(t)) span_carve(t);
     }
     make_current(c, t, from_ring);
-    return t->pub.free;
+    return span_free(t);
 }
 
 /* Pop a block of class k from c (refilling as needed). */
 TRACK_INTERNAL static void *class_alloc(cache *c, uint32_t k) {
     span *s = (span *)c->pub.cur[k];
-    sp_tcache_block *b = s->pub.free;
+    sp_tcache_block *b = span_free(s);
     if (SP_UNLIKELY(!b)) {
         b = class_refill(c, k);
         if (!b) return NULL;
         s = (span *)c->pub.cur[k];
     }
-    s->pub.free = b->next;
-    b->tag = 0;
-    __atomic_store_n(&s->pub.used, s->pub.used + 1, __ATOMIC_RELAXED);
+    sp_tcache_pop_(&s->pub, s->pub.head, b);
     track_malloc(b, s->block_size, 0);
     return b;
 }
@@ -398,7 +396,7 @@ void tcache_cache_drain(cache *c) {
             span *s = ring;
             ring = s->next;
             span_collect(s, c);
-            if (s->pub.used == 0)
+            if (span_used(s) == 0)
                 span_release(s);
             else
                 orphan_push(s);
@@ -566,12 +564,7 @@ TRACK_INTERNAL bool tcache_block_check(span *s, const void *p, const char *call)
 /* Owner-local free of a checked block. */
 TRACK_INTERNAL static void block_free_owner(cache *c, span *s, sp_tcache_block *b) {
     track_free(b, s->block_size);
-    b->tag = (uintptr_t)b ^ sp_tcache_g.key;
-    b->next = s->pub.free;
-    s->pub.free = b;
-    uint32_t used = s->pub.used - 1;
-    __atomic_store_n(&s->pub.used, used, __ATOMIC_RELAXED);
-    if (used == 0) tcache_span_emptied(c, s);
+    if (sp_tcache_push_(&s->pub, b, (uintptr_t)b ^ sp_tcache_g.key)) tcache_span_emptied(c, s);
 }
 
 /* Any-thread free of a checked block: a push onto the span's inbox. */
@@ -580,8 +573,8 @@ TRACK_INTERNAL static void block_free_remote(cache *c, span *s, sp_tcache_block 
     b->tag = (uintptr_t)b ^ sp_tcache_g.key;
     uintptr_t old = atomic_load_explicit(&s->inbox, memory_order_relaxed), next;
     do {
-        b->next = inbox_list(old);
-        next = (uintptr_t)b | ((uintptr_t)(inbox_count(old) + 1) << INBOX_BITS);
+        b->next = sp_tcache_list_(old);
+        next = (uintptr_t)b | ((old & ~(SP_TCACHE_COUNT_ONE - 1)) + SP_TCACHE_COUNT_ONE);
     } while (!atomic_compare_exchange_weak_explicit(&s->inbox, &old, next, memory_order_release,
                                                     memory_order_relaxed));
     if (c && c != &unattached)
@@ -775,11 +768,11 @@ static sp_result init_locked(const sp_tcache_desc *desc) {
         return sp_misuse(SP_ERR_INVALID_ARG, "sp_tcache_init", region,
                          "region %p is not aligned to %zu bytes", region, SP_TCACHE_SPAN);
     }
-    if (((uintptr_t)region + d.region_size) >> INBOX_BITS) {
+    if (((uintptr_t)region + d.region_size) >> SP_TCACHE_LIST_BITS) {
         if (!d.region) sp_vm_release(region, d.region_size);
         return sp_misuse(SP_ERR_INVALID_ARG, "sp_tcache_init", region,
                          "region %p ends above 2^%d (inbox tags use the bits above)", region,
-                         (int)INBOX_BITS);
+                         (int)SP_TCACHE_LIST_BITS);
     }
     tc.region = region;
     tc.region_size = d.region_size;

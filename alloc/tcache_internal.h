@@ -19,23 +19,16 @@
 #include "sp_tcache.h"
 
 enum {
-    INBOX_BITS = 48,
     SPAN_HEADER = 256, /* bytes of a span header, and the step between its colour offsets */
     SPAN_TAIL = 16,    /* the last 16 bytes hold the next TLSF block's header */
 };
 
-/* Added to `used` while a span is its class's current span, so that a free emptying the
- * current span (which stays current: nothing to do) does not reach zero; only spans off duty
- * take the inline free's rare branch to tcache_span_emptied. */
-#define SPAN_CURRENT 0x80000000u
-
-/* An inbox word: the list head in the low INBOX_BITS bits, the count above. */
-SP_INLINE sp_tcache_block *inbox_list(uintptr_t v) {
-    return (sp_tcache_block *)(v & (((uintptr_t)1 << INBOX_BITS) - 1));
-}
-SP_INLINE uint32_t inbox_count(uintptr_t v) {
-    return (uint32_t)(v >> INBOX_BITS);
-}
+/* Added to the count of the owner word while a span is its class's current span, so that a
+ * free emptying the current span (which stays current: nothing to do) does not reach zero;
+ * only spans off duty take the inline free's rare branch to tcache_span_emptied. */
+#define SPAN_CURRENT_COUNT 0x8000u
+#define SPAN_CURRENT ((uintptr_t)SPAN_CURRENT_COUNT << SP_TCACHE_LIST_BITS)
+_Static_assert(SP_TCACHE_SPAN / 16 < SPAN_CURRENT_COUNT, "a span's blocks count below the bias");
 
 typedef struct span {
     sp_tcache_span pub; /* what the inline paths read */
@@ -45,10 +38,9 @@ typedef struct span {
     uint32_t capacity; /* blocks the span holds */
     uint32_t pad_;
     struct span *next, *prev; /* ring (circular), empty list or orphan list (next only) */
-    /* Remote frees, on a cache line of their own: the list head in the low INBOX_BITS bits,
-     * the number of blocks on it above them, so one CAS pushes and one exchange takes list
-     * and count together (no walk to count; user addresses stay below 2^48, checked at init,
-     * and a span holds fewer than 2^16 blocks). */
+    /* Remote frees, on a cache line of their own: a list word (sp_tcache.h) of the blocks and
+     * their number, so one CAS pushes and one exchange takes list and count together (no walk
+     * to count; a span holds fewer than 2^16 blocks). */
     _Alignas(64) _Atomic uintptr_t inbox;
 } span;
 
@@ -58,7 +50,16 @@ _Static_assert(SPAN_HEADER == 1 << SP_TCACHE_COLOUR_SHIFT, "colour offsets are h
 /* Blocks of s handed out and not back with its owner (used without the current-span bias);
  * any thread, relaxed. */
 SP_INLINE uint32_t span_used(const span *s) {
-    return __atomic_load_n(&s->pub.used, __ATOMIC_RELAXED) & ~SPAN_CURRENT;
+    return sp_tcache_count_(__atomic_load_n(&s->pub.head, __ATOMIC_RELAXED)) & ~SPAN_CURRENT_COUNT;
+}
+
+/* The owner's free list of s, and setting it (the count kept). Owner (or orphan-lock holder). */
+SP_INLINE sp_tcache_block *span_free(const span *s) {
+    return sp_tcache_list_(s->pub.head);
+}
+SP_INLINE void span_free_set(span *s, sp_tcache_block *list) {
+    uintptr_t h = (s->pub.head & ~(SP_TCACHE_COUNT_ONE - 1)) | (uintptr_t)list;
+    __atomic_store_n(&s->pub.head, h, __ATOMIC_RELAXED);
 }
 
 /* The header of the span that starts at base, and the start of the span holding p. */

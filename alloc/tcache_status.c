@@ -128,7 +128,7 @@ static size_t cache_trim(cache *c) {
         for (span *s = c->ring[k]; n-- > 0;) {
             span *next = s->next;
             span_collect(s, c);
-            if (s->pub.used == 0) {
+            if (span_used(s) == 0) {
                 sp_mutex_lock(&c->lock);
                 /* ring_remove, inline: */
                 if (s->next == s) {
@@ -163,7 +163,7 @@ size_t sp_tcache_trim(void) {
         while (*link) {
             span *s = *link;
             span_collect(s, NULL);
-            if (s->pub.used == 0) {
+            if (span_used(s) == 0) {
                 *link = s->next;
                 atomic_fetch_sub_explicit(&tc.orphan_count[k], 1, memory_order_relaxed);
                 span_release(s);
