@@ -72,8 +72,13 @@ struct sp_tlsf {
     block *heads[FL_COUNT][SL_COUNT];
     block scratch; /* takes the back link pushed onto an empty list */
 
-    /* status, kept exact on every operation; bytes_free is derived (heap_bytes_free) */
-    size_t bytes_used, live_blocks, free_blocks, high_water, bytes_total;
+    /* status, kept exact on every operation; bytes_free is derived (heap_bytes_free). The
+     * peak is max(high_water, bytes_used): high_water is raised only where bytes_used is about
+     * to fall, so malloc's count waits for nothing. `blocks` counts all blocks, live and free
+     * (sentinels aside): it changes only where blocks split or merge, and free blocks are
+     * blocks - live_blocks, so no list operation keeps a count. Counters written together sit
+     * apart, so that the compiler does not pair them into one wide access. */
+    size_t bytes_used, high_water, live_blocks, bytes_total, blocks;
 
     uint64_t secret; /* per-heap salt of the header tags */
     size_t pool_count;
@@ -134,8 +139,19 @@ TRACK_INTERNAL SP_INLINE void block_link_next(block *b, bool b_free) {
 
 /* ---- size classes ------------------------------------------------------------------------ */
 
+/* Index of the highest set bit of x (non-zero). Without LZCNT (baseline x86-64) this is bsr,
+ * whose destination is also an input (it is left unchanged for x = 0): as the compiler emits
+ * it, a bsr waits for whatever last wrote the register it happens to get, which can be a
+ * cold header load of the operation before. Zeroing the register first (a dependency-breaking
+ * idiom) cuts that false dependency. */
 TRACK_INTERNAL SP_INLINE unsigned bit_high(uint64_t x) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    uint64_t r;
+    __asm__("xorl %k0, %k0\n\tbsrq %1, %0" : "=&r"(r) : "rm"(x) : "cc");
+    return (unsigned)r;
+#else
     return 63u - (unsigned)__builtin_clzll(x);
+#endif
 }
 
 TRACK_INTERNAL SP_INLINE void mapping_insert(size_t size, unsigned *fl, unsigned *sl) {
@@ -164,8 +180,8 @@ TRACK_INTERNAL SP_INLINE size_t adjust_size(size_t size) {
 /* ---- free lists ----------------------------------------------------------------------------
  * LIFO lists. Only non-head entries keep a valid prev_free: popping the head (the common
  * case, in malloc) then never touches its successor's cache line. A block is the head of
- * its list iff heads[fl][sl] points at it. The lists keep free_blocks; bytes_free is derived
- * (heap_bytes_free), so no list operation pays for it. */
+ * its list iff heads[fl][sl] points at it. The lists keep no counts: the number of free
+ * blocks and bytes_free are derived (see sp_tlsf.blocks, heap_bytes_free). */
 
 /* Push the free block b onto list (fl, sl), its class. Branch-free: whether the list was
  * empty is a coin toss, so the old head's back link goes to t->scratch when there is none and
@@ -177,7 +193,6 @@ TRACK_INTERNAL SP_INLINE void list_push(sp_tlsf *t, block *b, unsigned fl, unsig
     t->heads[fl][sl] = b;
     t->fl_bitmap |= 1u << fl;
     t->sl_bitmap[fl] |= 1u << sl;
-    t->free_blocks++;
 }
 
 /* Pop b, the head of list (fl, sl). Reads only b's own links. */
@@ -188,7 +203,6 @@ TRACK_INTERNAL SP_INLINE void list_pop(sp_tlsf *t, block *b, unsigned fl, unsign
     uint32_t sl_map = t->sl_bitmap[fl] & ~((uint32_t)(next == NULL) << sl);
     t->sl_bitmap[fl] = sl_map;
     t->fl_bitmap &= ~((uint32_t)(sl_map == 0) << fl);
-    t->free_blocks--;
 }
 
 TRACK_INTERNAL SP_INLINE void list_insert(sp_tlsf *t, block *b) {
@@ -206,7 +220,6 @@ TRACK_INTERNAL SP_INLINE void list_unlink(sp_tlsf *t, block *b, unsigned fl, uns
     block *prev = b->prev_free, *next = b->next_free;
     prev->next_free = next;
     if (next) next->prev_free = prev;
-    t->free_blocks--;
 }
 
 TRACK_INTERNAL SP_INLINE void list_remove(sp_tlsf *t, block *b) {
@@ -276,6 +289,8 @@ TRACK_INTERNAL static void block_trim_tail(sp_tlsf *t, block *b, size_t want) {
         list_remove(t, next);
         rest_size += HEADER + block_size(next);
         block_kill(t, next);
+    } else {
+        t->blocks++;
     }
     block_init(t, rest, link_to(b, false), rest_size, FLAG_FREE);
     block_link_next(rest, true);
@@ -286,7 +301,6 @@ TRACK_INTERNAL static void block_trim_tail(sp_tlsf *t, block *b, size_t want) {
 TRACK_INTERNAL SP_INLINE void *block_hand_out(sp_tlsf *t, block *a, size_t want) {
     t->bytes_used += want;
     t->live_blocks++;
-    if (t->bytes_used > t->high_water) t->high_water = t->bytes_used;
     track_malloc(block_payload(a), want, 0);
     return block_payload(a);
 }
@@ -305,6 +319,7 @@ TRACK_INTERNAL SP_INLINE void block_release(sp_tlsf *t, block *b) {
     size_t size = sf & SIZE_MASK;
     block *next = block_next(b);
     uint64_t next_sf = next->size_flags;
+    if (t->bytes_used > t->high_water) t->high_water = t->bytes_used;
     t->bytes_used -= size;
     t->live_blocks--;
     track_free(block_payload(b), size);
@@ -312,12 +327,14 @@ TRACK_INTERNAL SP_INLINE void block_release(sp_tlsf *t, block *b) {
         size_t next_size = next_sf & SIZE_MASK;
         list_remove(t, next);
         block_kill(t, next);
+        t->blocks--;
         size += HEADER + next_size;
         next = (block *)((char *)next + HEADER + next_size);
     }
     if (block_prev_is_free(b)) {
         block *prev = block_prev(b);
         block_kill(t, b);
+        t->blocks--;
         b = prev;
         list_resize(t, b, block_size(b) + HEADER + size);
     } else {
@@ -432,6 +449,7 @@ TRACK_INTERNAL static pool_verdict pool_add(sp_tlsf *t, void *memory, size_t siz
     block *sentinel = block_next(first);
     block_init(t, sentinel, link_to(first, true), 0, 0);
     list_insert(t, first);
+    t->blocks++;
     t->pools[t->pool_count] = (pool_range){lo, hi};
     __atomic_store_n(&t->pool_count, t->pool_count + 1, __ATOMIC_RELEASE);
     t->bytes_total += hi - lo;
@@ -514,6 +532,7 @@ TRACK_INTERNAL SP_INLINE void *block_carve_tail(sp_tlsf *t, block *b, unsigned f
     }
     block_set_size(b, rest);
     block *a = block_next(b);
+    t->blocks++;
     block_init(t, a, link_to(b, true), want, 0);
     block_link_next(a, false);
     return block_hand_out(t, a, want);
@@ -577,6 +596,7 @@ TRACK_INTERNAL void *sp_tlsf_aligned_alloc(sp_tlsf *t, size_t align, size_t size
             block_set_size(b, gap - HEADER);
             block_init(t, aligned, link_to(b, true), total - gap, 0);
             list_insert(t, b);
+            t->blocks++;
             block_link_next(b, true);
             b = aligned;
         }
@@ -604,11 +624,12 @@ TRACK_INTERNAL static bool block_resize_in_place(sp_tlsf *t, block *b, size_t wa
         list_remove(t, next);
         block_set_size(b, old + HEADER + block_size(next));
         block_kill(t, next);
+        t->blocks--;
     }
     block_trim_tail(t, b, want);
     size_t now = block_size(b);
-    t->bytes_used = t->bytes_used - old + now;
     if (t->bytes_used > t->high_water) t->high_water = t->bytes_used;
+    t->bytes_used = t->bytes_used - old + now;
     track_resize(block_payload(b), old, now);
     return true;
 }
@@ -658,7 +679,7 @@ bool sp_tlsf_owns(const sp_tlsf *t, const void *p) {
  * each) and one sentinel header each, so this is what the headers and live payloads leave. */
 TRACK_INTERNAL static size_t heap_bytes_free(const sp_tlsf *t) {
     size_t pooled = t->bytes_total - sp_tlsf_control_size();
-    size_t headers = HEADER * (t->live_blocks + t->free_blocks + t->pool_count);
+    size_t headers = HEADER * (t->blocks + t->pool_count);
     return pooled - headers - t->bytes_used;
 }
 
@@ -676,8 +697,8 @@ TRACK_INTERNAL void sp_tlsf_status_get(sp_tlsf *t, sp_tlsf_status *out) {
         .bytes_overhead = t->bytes_total - t->bytes_used - bytes_free,
         .largest_free = largest,
         .live_blocks = t->live_blocks,
-        .free_blocks = t->free_blocks,
-        .high_water = t->high_water,
+        .free_blocks = t->blocks - t->live_blocks,
+        .high_water = t->bytes_used > t->high_water ? t->bytes_used : t->high_water,
         .fragmentation = bytes_free ? 1.0 - (double)largest / (double)bytes_free : 0.0,
         .pool_count = t->pool_count,
     };
@@ -763,7 +784,7 @@ TRACK_INTERNAL sp_result sp_tlsf_check(sp_tlsf *t) {
     }
     CHECK(listed == free_count, t, "%zu free blocks but %zu on lists", free_count, listed);
     CHECK(used == t->bytes_used && live == t->live_blocks, t, "used counters drifted");
-    CHECK(free_bytes == heap_bytes_free(t) && free_count == t->free_blocks, t,
+    CHECK(free_bytes == heap_bytes_free(t) && free_count == t->blocks - t->live_blocks, t,
           "free counters drifted");
     heap_unlock(t);
     return SP_OK;

@@ -55,7 +55,7 @@ static long run(uint64_t seed, long ops, const char **why) {
         sp_tlsf_add_pool(t, (char *)extra[i] + 8 * i, HEAP / 4 - 8 * i); /* one unaligned */
     }
     slot slots[SLOTS] = {{0}};
-    size_t live = 0, used = 0;
+    size_t live = 0, used = 0, peak = 0;
     ts_rng r;
     ts_rng_seed(&r, seed);
     long failed = -1;
@@ -82,7 +82,11 @@ static long run(uint64_t seed, long ops, const char **why) {
         } else if (kind < 3) {
             size_t size = pick_size(&r), keep = size < s->size ? size : s->size;
             if (!intact(s, s->size)) *why = "block damaged before realloc";
+            unsigned char *old = s->p;
             unsigned char *q = sp_tlsf_realloc(t, s->p, size);
+            /* A move holds both blocks for a moment: the peak sees them together. */
+            if (q && q != old && used + sp_tlsf_usable_size(t, q) > peak)
+                peak = used + sp_tlsf_usable_size(t, q);
             if (q || size == 0) {
                 s->p = q;
                 s->size = size;
@@ -102,11 +106,13 @@ static long run(uint64_t seed, long ops, const char **why) {
             live--;
             used -= s->usable;
         }
+        if (used > peak) peak = used;
         sp_tlsf_status st;
         sp_tlsf_status_get(t, &st);
         if (!*why && sp_tlsf_check(t) != SP_OK) *why = "sp_tlsf_check failed";
         if (!*why && st.live_blocks != live) *why = "live_blocks disagrees with the model";
         if (!*why && st.bytes_used != used) *why = "bytes_used disagrees with the model";
+        if (!*why && st.high_water != peak) *why = "high_water disagrees with the model";
         if (*why) failed = op;
     }
     for (int i = 0; i < SLOTS; i++)
