@@ -197,16 +197,15 @@ typedef struct sp_tcache_block {
  * hands or carves; the second is the owner's, written by every alloc and owner free: a remote
  * free never pulls the owner's hot line away from it. */
 typedef struct sp_tcache_span {
-    uint32_t start;      /* offset of the first block from the span's start */
-    uint32_t first32;    /* low 32 bits of the first block's address: (uint32_t)p - first32
-                            is p's offset from it (the span is aligned to 256 KiB) */
-    uint32_t carved_end; /* offset from the first block of the end of the blocks cut from the
-                            span so far (the rest is not handed out yet) */
+    uint32_t start;   /* offset of the first block from the span's start */
+    uint32_t first32; /* low 32 bits of the first block's address: (uint32_t)p - first32
+                         is p's offset from it (the span is aligned to 256 KiB) */
+    uint32_t carved;  /* blocks cut from the span so far (the rest not handed out yet) */
     uint32_t pad_;
     struct sp_tcache *owner; /* read by any thread (atomically); written by the owner. At
                                 offset 16: clear of the links TLSF writes into a freed span */
-    uint64_t div_magic;      /* ceil(2^64 / block size): off is a multiple of the block size
-                                iff off * div_magic < div_magic (mod 2^64; off < 2^32) */
+    uint64_t div_magic;      /* UINT64_MAX / block size + 2 */
+    uint64_t start_limit;    /* carved * (block size * div_magic mod 2^64); read atomically */
     /* The owner's word: its free list (a list word, below) and, as the count, `used`: blocks
      * handed out and not yet back with the owner, plus 2^15 while the span is current (a free
      * that brings the count to 0 hands the span to the slow path). One word, so that an alloc
@@ -282,14 +281,19 @@ static inline __attribute__((always_inline)) sp_tcache_span *sp_tcache_span_of_(
 }
 
 /* Whether address a in span s is the start of a carved block (not below the first block,
- * between two, or past the carved ones): the divisibility test of Lemire, Kaser and Kurz,
- * "Faster remainder by direct computation" (2019), one multiply. Every free's pointer check,
- * inline and out of line. */
+ * between two, or past the carved ones): one multiply and one compare, every free's pointer
+ * check (inline and out of line). With d the block size (16 B .. 64 KiB), c = div_magic =
+ * floor((2^64 - 1) / d) + 2 and e = d * c mod 2^64, which lies in [d, 2d): write the offset
+ * (below 2^32 after the 32-bit subtraction) as q * d + r. Then off * c = q * e + r * c
+ * (mod 2^64): for r = 0 that is q * e < 2^33; for 0 < r < d it lies in [c, 2^64) without
+ * wrapping (r * c <= 2^64 + e - c, and c >= 2^48). So off * c is below start_limit =
+ * carved * e (< 2^19 < c) exactly when r = 0 and q < carved: Lemire, Kaser and Kurz's
+ * divisibility test ("Faster remainder by direct computation", 2019) with the index bound
+ * folded into its compare. */
 static inline __attribute__((always_inline)) bool sp_tcache_block_start_(const sp_tcache_span *s,
                                                                          uintptr_t a) {
     uint32_t off = (uint32_t)a - s->first32;
-    return off < __atomic_load_n(&s->carved_end, __ATOMIC_RELAXED) &&
-           (uint64_t)off * s->div_magic < s->div_magic;
+    return (uint64_t)off * s->div_magic < __atomic_load_n(&s->start_limit, __ATOMIC_RELAXED);
 }
 
 #if SP_TCACHE_INLINE

@@ -83,8 +83,7 @@ TRACK_INTERNAL static void span_format(span *s, cache *c, uint32_t k) {
     char *base = span_base(s);
     s->pub.start = class_start(bs, (uint32_t)((char *)s - base) + SPAN_HEADER);
     s->pub.first32 = (uint32_t)(uintptr_t)(base + s->pub.start);
-    __atomic_store_n(&s->pub.carved_end, 0, __ATOMIC_RELAXED);
-    s->pub.div_magic = UINT64_MAX / bs + 1;
+    span_check_set(&s->pub, bs, 0);
     s->cls = k;
     s->block_size = bs;
     s->capacity = (uint32_t)((SP_TCACHE_SPAN - SPAN_TAIL - s->pub.start) / bs);
@@ -99,13 +98,13 @@ TRACK_INTERNAL static void span_format(span *s, cache *c, uint32_t k) {
 /* Cut up to a page worth of blocks (at least one) from the uncarved tail onto the free list.
  * Returns false when the span is fully carved. */
 TRACK_INTERNAL static bool span_carve(span *s) {
-    uint32_t bs = s->block_size, done = s->pub.carved_end; /* bytes */
-    uint32_t left = s->capacity - done / bs;
+    uint32_t bs = s->block_size, done = s->pub.carved;
+    uint32_t left = s->capacity - done;
     if (left == 0) return false;
     uint32_t n = 4096 / bs;
     if (n == 0) n = 1;
     if (n > left) n = left;
-    char *first = span_base(s) + s->pub.start + done;
+    char *first = span_base(s) + s->pub.start + (size_t)done * bs;
     sp_tcache_block *head = span_free(s);
     for (uint32_t i = n; i-- > 0;) {
         sp_tcache_block *b = (sp_tcache_block *)(first + (size_t)i * bs);
@@ -114,7 +113,7 @@ TRACK_INTERNAL static bool span_carve(span *s) {
         head = b;
     }
     span_free_set(s, head);
-    __atomic_store_n(&s->pub.carved_end, done + n * bs, __ATOMIC_RELAXED);
+    span_check_set(&s->pub, bs, done + n);
     return true;
 }
 
@@ -144,7 +143,7 @@ TRACK_INTERNAL uint32_t span_collect(span *s, cache *c) {
 }
 
 static bool span_has_room(span *s) {
-    return span_free(s) != NULL || s->pub.carved_end < s->capacity * s->block_size ||
+    return span_free(s) != NULL || s->pub.carved < s->capacity ||
            atomic_load_explicit(&s->inbox, memory_order_relaxed) != 0;
 }
 

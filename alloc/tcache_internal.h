@@ -7,7 +7,7 @@
  * carries SPAN_CURRENT), on its owner's ring of that class, on its owner's empty list
  * (used == 0), on the global orphan list of its class (owner NULL), or free in the central
  * span heap (magic and owner cleared). Only the owner (or, for orphans, the orphan lock
- * holder) touches `free`, `carved_end` and the list links; any thread pushes onto `inbox`.
+ * holder) touches `head`, `carved` and the list links; any thread pushes onto `inbox`.
  */
 #ifndef SP_TCACHE_INTERNAL_H
 #define SP_TCACHE_INTERNAL_H
@@ -60,6 +60,14 @@ SP_INLINE sp_tcache_block *span_free(const span *s) {
 SP_INLINE void span_free_set(span *s, sp_tcache_block *list) {
     uintptr_t h = (s->pub.head & ~(SP_TCACHE_COUNT_ONE - 1)) | (uintptr_t)list;
     __atomic_store_n(&s->pub.head, h, __ATOMIC_RELAXED);
+}
+
+/* The pointer check's constants (sp_tcache_block_start_) for blocks of bs bytes, carved of
+ * them cut so far. Owner (or orphan-lock holder); remote frees read start_limit. */
+SP_INLINE void span_check_set(sp_tcache_span *s, uint32_t bs, uint32_t carved) {
+    s->div_magic = UINT64_MAX / bs + 2;
+    s->carved = carved;
+    __atomic_store_n(&s->start_limit, carved * (bs * s->div_magic), __ATOMIC_RELAXED);
 }
 
 /* The header of the span that starts at base, and the start of the span holding p. */

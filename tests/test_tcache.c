@@ -215,6 +215,27 @@ static void test_colours(void) {
        __builtin_popcount(seen), SP_TCACHE_COLOURS);
 }
 
+/* The free's pointer check (sp_tcache_block_start_) against its definition, for every class:
+ * accepted exactly at the starts of the carved blocks, for offsets up to past the span's end
+ * and for addresses below the first block (offsets that wrapped in 32 bits). */
+static void test_block_start(void) {
+    bool exact = true;
+    for (uint32_t k = 0; k < SP_TCACHE_CLASSES && exact; k++) {
+        uint32_t d = tcache_class_size(k), cap = (uint32_t)(SP_TCACHE_SPAN / d);
+        uint32_t counts[] = {0, 1, 2, cap / 2, cap};
+        for (size_t i = 0; i < SP_ARRAY_LEN(counts) && exact; i++) {
+            sp_tcache_span s = {.first32 = 0};
+            span_check_set(&s, d, counts[i]);
+            for (uint32_t off = 0; off < (cap + 2) * d && exact; off++)
+                exact = sp_tcache_block_start_(&s, off) == (off % d == 0 && off / d < counts[i]);
+            for (uint32_t back = 1; back <= 4 * d && exact; back++)
+                exact = !sp_tcache_block_start_(&s, (uint32_t)0 - back);
+            if (!exact) diag("  class %u (%u B), %u carved", k, d, counts[i]);
+        }
+    }
+    ok(exact, "pointer check: exactly the carved block starts, in every class");
+}
+
 typedef struct exiting {
     void *blocks[3000];
     int n;
@@ -298,7 +319,7 @@ static void test_leak_check(void) {
 }
 
 int main(void) {
-    plan(30);
+    plan(31);
     ok(sp_tcache_init(&(sp_tcache_desc){.region_size = (size_t)1 << 30}) == SP_OK, "init");
     test_classes();
     test_alloc_free();
@@ -307,6 +328,7 @@ int main(void) {
     test_aligned();
     test_hysteresis();
     test_colours();
+    test_block_start();
     test_orphans();
     test_remote();
     test_leak_check();
