@@ -37,6 +37,7 @@ typedef struct heap_block {
 
 typedef struct frame_buffer {
     _Alignas(64) uint64_t word; /* atomic: lo | hi << LO_BITS (see above) */
+    size_t claimed;             /* atomic: chunks claimed this frame (the bits set) */
     /* Written atomically by allocating threads, only when the buffer ran out. */
     _Alignas(64) heap_block *heap; /* Treiber stack, pushed by overflows, walked by reclaim */
     size_t overflows, overflow_bytes;
@@ -108,10 +109,12 @@ static size_t word_hi(uint64_t w) {
     return (size_t)(w >> LO_BITS);
 }
 
-/* Set chunk i's bit; true if it was clear (the chunk is ours). */
+/* Set chunk i's bit; true if it was clear (the chunk is ours, and counted). */
 static bool bit_claim(frame_buffer *b, size_t i) {
     uint64_t m = UINT64_C(1) << (i & 63);
-    return !(__atomic_fetch_or(&b->bits[i >> 6], m, __ATOMIC_RELAXED) & m);
+    if (__atomic_fetch_or(&b->bits[i >> 6], m, __ATOMIC_RELAXED) & m) return false;
+    __atomic_fetch_add(&b->claimed, 1, __ATOMIC_RELAXED);
+    return true;
 }
 
 /* Chunk i again, if nobody claimed it this frame and no direct range covers it: a CAS that
@@ -262,18 +265,11 @@ SP_NOINLINE void *sp_frame_alloc_generic(sp_frame_arena *a, size_t align, size_t
 
 /* The bitmap words that can hold claims: every claimed chunk lies below lo (a fresh claim
  * raises lo first, a sticky one raises it past its chunk), so a frame that used a few chunks
- * costs its status and its reclaim a word or two, not the whole map. */
+ * costs its close a word or two to clear, not the whole map. */
 static size_t bit_words_used(const sp_frame_arena *a, const frame_buffer *b) {
     size_t lo = word_lo(__atomic_load_n(&b->word, __ATOMIC_RELAXED));
     size_t n = (lo + 63) / 64;
     return n < a->bit_words ? n : a->bit_words;
-}
-
-static size_t chunks_claimed(const sp_frame_arena *a, const frame_buffer *b) {
-    size_t n = 0;
-    for (size_t k = bit_words_used(a, b); k-- > 0;)
-        n += (size_t)__builtin_popcountll(__atomic_load_n(&b->bits[k], __ATOMIC_RELAXED));
-    return n;
 }
 
 static void heap_list_free(sp_frame_arena *a, frame_buffer *b) {
@@ -286,53 +282,47 @@ static void heap_list_free(sp_frame_arena *a, frame_buffer *b) {
 }
 
 #if TRACK_ASAN || TRACK_VALGRIND || SP_DEBUG >= 1
-/* Each claimed chunk of b and the direct part [hi, capacity): fill (plain debug builds) or
- * hand back to the tools as the allocator's (ASan, Valgrind), so that a pointer kept past
- * the reclaim is caught at its first use. */
-static void buffer_poison(const sp_frame_arena *a, frame_buffer *b) {
-    size_t hi = word_hi(__atomic_load_n(&b->word, __ATOMIC_RELAXED));
-    for (size_t k = bit_words_used(a, b); k-- > 0;) {
-        for (uint64_t m = __atomic_load_n(&b->bits[k], __ATOMIC_RELAXED); m; m &= m - 1) {
-            size_t i = k * 64 + (size_t)__builtin_ctzll(m);
-            char *c = b->base + i * a->chunk_size;
+/* Fill (plain debug builds) or hand back to the tools as the allocator's (ASan, Valgrind) the
+ * bytes [from, to) of b, so that a pointer kept past the reclaim is caught at its first use. */
+static void range_poison(frame_buffer *b, size_t from, size_t to) {
+    if (from >= to) return;
 #if TRACK_ASAN || TRACK_VALGRIND
-            track_pool(c, a->chunk_size);
-#elif SP_DEBUG >= 1
-            memset(c, POISON_BYTE, a->chunk_size);
+    track_pool(b->base + from, to - from);
 #else
-            (void)c;
+    memset(b->base + from, POISON_BYTE, to - from);
 #endif
-        }
-    }
-    if (hi < a->capacity) {
-#if TRACK_ASAN || TRACK_VALGRIND
-        track_pool(b->base + hi, a->capacity - hi);
-#elif SP_DEBUG >= 1
-        memset(b->base + hi, POISON_BYTE, a->capacity - hi);
-#endif
-    }
 }
 #endif
 
-/* Everything b held goes: heap blocks freed, the used part poisoned in debug and tool builds
- * (O(used)), the bitmap words of the claimed chunks cleared (one per 64 chunks: a few words,
- * not O(allocations)) and the bump state reset. */
+/* The chunk bitmap of b, which closes: nothing claims in b again before its reclaim, whose
+ * cost then does not depend on how much the frame allocated (the words written during the
+ * frame are still in cache now). */
+static void bits_clear(const sp_frame_arena *a, frame_buffer *b) {
+    for (size_t k = bit_words_used(a, b); k-- > 0;)
+        __atomic_store_n(&b->bits[k], 0, __ATOMIC_RELAXED);
+}
+
+/* Everything b held goes: heap blocks freed (O(their count)), what the frame used poisoned in
+ * debug and tool builds (the chunks below lo and the direct part from hi up: O(used)), the
+ * bump state and the counts reset. */
 static void buffer_reclaim(sp_frame_arena *a, frame_buffer *b) {
     heap_list_free(a, b);
 #if TRACK_ASAN || TRACK_VALGRIND || SP_DEBUG >= 1
-    buffer_poison(a, b);
+    uint64_t w = __atomic_load_n(&b->word, __ATOMIC_RELAXED);
+    size_t hi = word_hi(w), lo_bytes = word_lo(w) * a->chunk_size;
+    range_poison(b, 0, lo_bytes < hi ? lo_bytes : hi);
+    range_poison(b, hi, a->capacity);
 #endif
-    for (size_t k = bit_words_used(a, b); k-- > 0;)
-        __atomic_store_n(&b->bits[k], 0, __ATOMIC_RELAXED);
     __atomic_store_n(&b->word, (uint64_t)a->capacity << LO_BITS, __ATOMIC_RELAXED);
+    __atomic_store_n(&b->claimed, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&b->overflows, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&b->overflow_bytes, 0, __ATOMIC_RELAXED);
 }
 
 static void status_fill(const sp_frame_arena *a, uint32_t i, sp_frame_buffer_status *out) {
     const frame_buffer *b = &a->buf[i];
-    /* In use: the claimed chunks and everything from hi up (the direct ranges). O(lo / 64). */
-    size_t chunks = chunks_claimed(a, b);
+    /* In use: the claimed chunks and everything from hi up (the direct ranges). O(1). */
+    size_t chunks = __atomic_load_n(&b->claimed, __ATOMIC_RELAXED);
     size_t used = chunks * a->chunk_size +
                   (a->capacity - word_hi(__atomic_load_n(&b->word, __ATOMIC_RELAXED)));
     *out = (sp_frame_buffer_status){
@@ -351,6 +341,7 @@ uint64_t sp_frame_arena_advance(sp_frame_arena *a, sp_frame_buffer_status *close
     sp_frame_buffer_status st;
     status_fill(a, a->current, &st);
     b->peak = st.peak;
+    bits_clear(a, b);
     if (closed) *closed = st;
     a->frame++;
     a->current = (uint32_t)(a->frame % a->buffers);

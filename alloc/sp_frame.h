@@ -142,13 +142,13 @@ void sp_frame_arena_destroy(sp_frame_arena *a);
  * (SP_ERR_BAD_ALIGNMENT), size above PTRDIFF_MAX (SP_ERR_OVERFLOW). `a` must be a live arena
  * (the inline path reads it before any check). */
 
-/* Close the current frame, start the next one, reclaim its buffer: the bump state goes back
- * to empty and the chunk bitmap is cleared (the words of the chunks the frame claimed: one
- * word per 64 chunks, at most 16 for a 64 MiB buffer of 64 KiB chunks), the heap-fallback blocks of
- * that buffer are freed (O(their count)), debug builds fill or poison the used part (O(bytes
- * used)). Fills *closed (if not NULL)
- * with the closing frame's buffer status. Returns the new frame number (frame 0 is the first).
- * See the concurrency table: no allocation from this arena may run during the call. */
+/* Close the current frame, start the next one, reclaim its buffer. Closing clears the closing
+ * buffer's chunk bitmap (the words of the chunks the frame claimed, one per 64 chunks, still in
+ * cache); the reclaim resets the bump state and counts in O(1), frees the heap-fallback blocks
+ * of that buffer (O(their count)), and in debug builds fills or poisons the used part (O(bytes
+ * used)). Fills *closed (if not NULL) with the closing frame's buffer status. Returns the new frame
+ * number (frame 0 is the first). See the concurrency table: no allocation from this arena may run
+ * during the call. */
 uint64_t sp_frame_arena_advance(sp_frame_arena *a, sp_frame_buffer_status *closed);
 
 /* The current frame number. O(1). */
@@ -159,7 +159,7 @@ uint64_t sp_frame_arena_frame(const sp_frame_arena *a);
 int sp_frame_arena_buffer_of(const sp_frame_arena *a, const void *p);
 
 /* Status of one buffer. A buffer index >= buffers is misuse (SP_ERR_INVALID_ARG; *out zeroed).
- * Cost: a popcount per 64 chunks claimed. See the concurrency table. */
+ * O(1). See the concurrency table. */
 void sp_frame_buffer_status_get(const sp_frame_arena *a, uint32_t buffer,
                                 sp_frame_buffer_status *out);
 
