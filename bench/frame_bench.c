@@ -61,8 +61,11 @@ typedef struct bench_arg {
 
 /* ---- alloc ------------------------------------------------------------------------------ */
 
+/* One per worker thread, each on cache lines of its own (128 bytes: the adjacent-line
+ * prefetcher pairs lines), so that a thread's per-frame writes (t0, t1, ns) never take a line
+ * the other thread's loop is reading. */
 typedef struct worker_ctx {
-    who w;
+    _Alignas(128) who w;
     sp_frame_arena *arena;
     const uint32_t *sizes;
     uint32_t n;
@@ -74,14 +77,18 @@ typedef struct worker_ctx {
 } worker_ctx;
 
 static inline __attribute__((always_inline)) void frame_work(who w, worker_ctx *x) {
+    /* Locals, not x->: the allocators' fresh thread-local reads clobber memory, so fields read
+     * through x would be loaded again on every allocation. */
     void **slot = x->slots[x->frame % 2];
     const uint32_t *sizes = x->sizes;
+    const uint32_t n = x->n;
+    sp_frame_arena *arena = x->arena;
     if (w == TCACHE)
-        for (uint32_t i = 0; i < x->n; i++) sp_tcache_free(slot[i]);
+        for (uint32_t i = 0; i < n; i++) sp_tcache_free(slot[i]);
     else if (w == PROCESS)
-        for (uint32_t i = 0; i < x->n; i++) free(slot[i]);
-    for (uint32_t i = 0; i < x->n; i++) {
-        void *p = w == ARENA    ? sp_frame_alloc(x->arena, sizes[i])
+        for (uint32_t i = 0; i < n; i++) free(slot[i]);
+    for (uint32_t i = 0; i < n; i++) {
+        void *p = w == ARENA    ? sp_frame_alloc(arena, sizes[i])
                   : w == TCACHE ? sp_tcache_alloc(sizes[i])
                                 : malloc(sizes[i]);
         *(uint32_t *)p = i;
