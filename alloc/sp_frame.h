@@ -5,7 +5,7 @@
  * i+N-1 and is reclaimed, all at once and in O(1), when sp_frame_arena_advance starts frame i+N
  * and that buffer comes round again. There is no per-block free.
  *
- * Allocation: each thread bump-allocates from a private chunk (chunk_size bytes, 64 KiB by
+ * Allocation: each thread bump-allocates from a private chunk (chunk_size bytes, 256 KiB by
  * default) of the current buffer. Chunks are handed out from the bottom of the buffer: a
  * thread first gets back the chunk it had at the same place in its order of claims N frames
  * ago, if nobody took it yet (one compare-exchange and one atomic or), so in a steady frame
@@ -74,7 +74,7 @@ extern "C" {
 #define SP_FRAME_MAX_BUFFERS 4
 #define SP_FRAME_SLOTS 4                           /* chunks a thread keeps (one per slot) */
 #define SP_FRAME_DEFAULT_BUFFER ((size_t)64 << 20) /* per buffer, when the arena reserves */
-#define SP_FRAME_DEFAULT_CHUNK ((size_t)64 << 10)
+#define SP_FRAME_DEFAULT_CHUNK ((size_t)256 << 10)
 
 typedef struct sp_frame_arena sp_frame_arena;
 

@@ -437,7 +437,7 @@ static void test_misuse(void) {
     ts_log_reset();
     ok(!sp_frame_arena_create(&(sp_frame_desc){.region_size = 64u << 10, .buffers = 2}, &r) &&
            r == SP_ERR_TOO_SMALL && ts_logged.last_id == SP_ERR_TOO_SMALL,
-       "64 KiB for 2 buffers with 64 KiB chunks: SP_ERR_TOO_SMALL");
+       "64 KiB for 2 buffers with 256 KiB chunks: SP_ERR_TOO_SMALL");
     void *reg = sp_vm_reserve(1u << 20, 0, false, NULL);
     ts_log_reset();
     ok(!sp_frame_arena_create(&(sp_frame_desc){.region = (char *)reg + 16, .region_size = 1u << 19},

@@ -19,7 +19,9 @@ static volatile char sink;
 
 static sp_frame_arena *arena(uint32_t buffers, sp_frame_overflow mode, size_t region) {
     return sp_frame_arena_create(
-        &(sp_frame_desc){.buffers = buffers, .region_size = region, .overflow = mode}, NULL);
+        &(sp_frame_desc){
+            .buffers = buffers, .region_size = region, .chunk_size = 16 << 10, .overflow = mode},
+        NULL);
 }
 
 /* Frame 0's block read in frame 2 (N = 2): its buffer was reclaimed at the start of frame 2. */
