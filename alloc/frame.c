@@ -37,7 +37,8 @@ typedef struct heap_block {
 
 typedef struct frame_buffer {
     _Alignas(64) uint64_t word; /* atomic: lo | hi << LO_BITS (see above) */
-    size_t claimed;             /* atomic: chunks claimed this frame (the bits set) */
+    size_t claimed;             /* atomic: chunks claimed in the buffer's frame (kept after its
+                                   close, when the bits are cleared) */
     /* Written atomically by allocating threads, only when the buffer ran out. */
     _Alignas(64) heap_block *heap; /* Treiber stack, pushed by overflows, walked by reclaim */
     size_t overflows, overflow_bytes;
@@ -45,7 +46,8 @@ typedef struct frame_buffer {
     uint64_t frame;
     size_t peak;
     char *base;
-    uint64_t *bits; /* atomic words, one bit per chunk: claimed this frame */
+    uint64_t *bits; /* atomic words, one bit per chunk: claimed in the open frame (cleared at
+                       the buffer's close) */
 } frame_buffer;
 
 struct sp_frame_arena {
@@ -118,7 +120,8 @@ static bool bit_claim(frame_buffer *b, size_t i) {
 }
 
 /* Chunk i again, if nobody claimed it this frame and no direct range covers it: a CAS that
- * raises lo past it (a load when it is below lo already), then one atomic or. */
+ * raises lo past it (a load when it is below lo already), then one atomic or (and the
+ * count's atomic add, on the bump word's line). */
 static bool chunk_sticky(sp_frame_arena *a, frame_buffer *b, size_t i) {
     if (SP_UNLIKELY(i >= a->chunks)) return false; /* lists hold this arena's claims only */
     uint64_t w = __atomic_load_n(&b->word, __ATOMIC_RELAXED);
@@ -134,7 +137,8 @@ static bool chunk_sticky(sp_frame_arena *a, frame_buffer *b, size_t i) {
     return bit_claim(b, i);
 }
 
-/* The next chunk of the bump that nobody claimed: one atomic add and one atomic or (more
+/* The next chunk of the bump that nobody claimed: one atomic add and one atomic or, plus the
+ * count (more
  * when a sticky claim got there first). A load first refuses when there is no room, which
  * keeps lo bounded. */
 static bool chunk_fresh(sp_frame_arena *a, frame_buffer *b, size_t *out) {

@@ -8,10 +8,11 @@
  * Allocation: each thread bump-allocates from a private chunk (chunk_size bytes, 256 KiB by
  * default) of the current buffer. Chunks are handed out from the bottom of the buffer: a
  * thread first gets back the chunk it had at the same place in its order of claims N frames
- * ago, if nobody took it yet (one compare-exchange and one atomic or), so in a steady frame
+ * ago, if nobody took it yet (a compare-exchange and an atomic or), so in a steady frame
  * loop each thread writes memory its own core wrote last (threads that traded chunks between
  * frames measured several times slower: bench/README.md, frame); otherwise it takes the next
- * free chunk (one atomic add and one atomic or). A request of any size that fits the rest of
+ * free chunk (an atomic add and an atomic or); each claim also counts itself (an atomic add on
+ * the bump word's line). A request of any size that fits the rest of
  * the thread's chunk comes from it; one that does not and is above chunk_size / 4 (or aligned
  * above it), and the last bytes of a full buffer, take their own range from the top down (a
  * compare-exchange loop). The calling thread's chunk is found on every call through a fresh
@@ -134,9 +135,10 @@ void sp_frame_arena_destroy(sp_frame_arena *a);
  *   no bytes (it may equal the next allocation's). Any thread, any fiber.
  * void *sp_frame_aligned_alloc(sp_frame_arena *a, size_t align, size_t size)
  *   the same with any power-of-two alignment (the block's end is padded to 16).
- * Cost: inline, a thread-pointer read, a compare and a bump (2.08 ns per
- * allocation in bench `frame/alloc`, 0.28x tcache's in the same run); the out-of-line rest
- * (sp_frame_alloc_generic) takes a chunk (two atomics) or a direct range (a CAS loop).
+ * Cost: inline, a thread-pointer read, a compare and a bump (bench `frame/alloc`:
+ * bench/README.md has the figures, against tcache and mimalloc in the same run); the
+ * out-of-line rest (sp_frame_alloc_generic) takes a chunk (three atomics) or a direct range (a
+ * CAS loop).
  * Returns NULL when the buffer is exhausted in SP_FRAME_OVERFLOW_NULL mode or the heap fallback
  * fails (both counted, see above); misuse (NULL + report): align not a power of two
  * (SP_ERR_BAD_ALIGNMENT), size above PTRDIFF_MAX (SP_ERR_OVERFLOW). `a` must be a live arena

@@ -83,7 +83,7 @@ TRACK_INTERNAL static void span_format(span *s, cache *c, uint32_t k) {
     char *base = span_base(s);
     s->pub.start = class_start(bs, (uint32_t)((char *)s - base) + SPAN_HEADER);
     s->pub.first32 = (uint32_t)(uintptr_t)(base + s->pub.start);
-    span_check_set(&s->pub, bs, 0);
+    span_check_init(&s->pub, bs);
     s->cls = k;
     s->block_size = bs;
     s->capacity = (uint32_t)((SP_TCACHE_SPAN - SPAN_TAIL - s->pub.start) / bs);
@@ -113,7 +113,7 @@ TRACK_INTERNAL static bool span_carve(span *s) {
         head = b;
     }
     span_free_set(s, head);
-    span_check_set(&s->pub, bs, done + n);
+    span_check_carved(&s->pub, bs, done + n);
     return true;
 }
 
@@ -770,7 +770,7 @@ static sp_result init_locked(const sp_tcache_desc *desc) {
     if (((uintptr_t)region + d.region_size) >> SP_TCACHE_LIST_BITS) {
         if (!d.region) sp_vm_release(region, d.region_size);
         return sp_misuse(SP_ERR_INVALID_ARG, "sp_tcache_init", region,
-                         "region %p ends above 2^%d (inbox tags use the bits above)", region,
+                         "region %p ends above 2^%d (list words count in the bits above)", region,
                          (int)SP_TCACHE_LIST_BITS);
     }
     tc.region = region;

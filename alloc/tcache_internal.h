@@ -3,10 +3,10 @@
  * A span (SP_TCACHE_SPAN bytes, aligned to its size) holds this header at its colour offset
  * (sp_tcache_span_of_: 0..15 x 256 bytes); its blocks follow from `start` (an offset from the
  * span's start, past the header; the bytes before the header stay unused). Every span is, at
- * any time, exactly one of: the current span of its class in its owner's cache (`used`
- * carries SPAN_CURRENT), on its owner's ring of that class, on its owner's empty list
- * (used == 0), on the global orphan list of its class (owner NULL), or free in the central
- * span heap (magic and owner cleared). Only the owner (or, for orphans, the orphan lock
+ * any time, exactly one of: the current span of its class in its owner's cache (the count
+ * of its owner word `head` carries SPAN_CURRENT), on its owner's ring of that class, on its
+ * owner's empty list (count 0), on the global orphan list of its class (owner NULL), or free in the
+ * central span heap (magic and owner cleared). Only the owner (or, for orphans, the orphan lock
  * holder) touches `head`, `carved` and the list links; any thread pushes onto `inbox`.
  */
 #ifndef SP_TCACHE_INTERNAL_H
@@ -62,10 +62,16 @@ SP_INLINE void span_free_set(span *s, sp_tcache_block *list) {
     __atomic_store_n(&s->pub.head, h, __ATOMIC_RELAXED);
 }
 
-/* The pointer check's constants (sp_tcache_block_start_) for blocks of bs bytes, carved of
- * them cut so far. Owner (or orphan-lock holder); remote frees read start_limit. */
-SP_INLINE void span_check_set(sp_tcache_span *s, uint32_t bs, uint32_t carved) {
+/* The pointer check's constants (sp_tcache_block_start_), which frees on any thread read:
+ * span_check_init sets the multiplier for blocks of bs bytes while no block of the span is
+ * out (formatting), span_check_carved the limit whenever carving cuts more (owner, or orphan
+ * lock holder; an atomic store, as other threads' frees read it). */
+SP_INLINE void span_check_init(sp_tcache_span *s, uint32_t bs) {
     s->div_magic = UINT64_MAX / bs + 2;
+    s->carved = 0;
+    __atomic_store_n(&s->start_limit, 0, __ATOMIC_RELAXED);
+}
+SP_INLINE void span_check_carved(sp_tcache_span *s, uint32_t bs, uint32_t carved) {
     s->carved = carved;
     __atomic_store_n(&s->start_limit, carved * (bs * s->div_magic), __ATOMIC_RELAXED);
 }

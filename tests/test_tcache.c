@@ -225,7 +225,8 @@ static void test_block_start(void) {
         uint32_t counts[] = {0, 1, 2, cap / 2, cap};
         for (size_t i = 0; i < SP_ARRAY_LEN(counts) && exact; i++) {
             sp_tcache_span s = {.first32 = 0};
-            span_check_set(&s, d, counts[i]);
+            span_check_init(&s, d);
+            span_check_carved(&s, d, counts[i]);
             for (uint32_t off = 0; off < (cap + 2) * d && exact; off++)
                 exact = sp_tcache_block_start_(&s, off) == (off % d == 0 && off / d < counts[i]);
             for (uint32_t back = 1; back <= 4 * d && exact; back++)
