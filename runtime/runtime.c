@@ -25,6 +25,7 @@ sp_runtime_globals sp_runtime_g;
  * calls that run on the thread itself and never across a fiber switch. */
 static _Thread_local bool tls_qsbr;
 static _Thread_local bool tls_attached;
+static _Thread_local bool tls_offline; /* an attached thread between sp_thread_offline/_online */
 static _Thread_local uint64_t tls_trim_epoch; /* the last frame end this thread trimmed after */
 
 #define MiB ((size_t)1 << 20)
@@ -479,6 +480,8 @@ sp_result sp_thread_detach(void) {
                "the thread is not attached");
         return SP_ERR_INVALID_ARG;
     }
+    if (tls_offline) qsbr_online(); /* liburcu accounts an unregistering thread as online */
+    tls_offline = false;
     qsbr_unregister();
     sp_tcache_thread_detach();
     tls_attached = false;
@@ -487,7 +490,19 @@ sp_result sp_thread_detach(void) {
 }
 
 void sp_thread_quiescent(void) {
-    if (tls_attached) rt_quiescent();
+    if (tls_attached && !tls_offline) rt_quiescent();
+}
+
+void sp_thread_offline(void) {
+    if (!tls_attached || tls_offline) return;
+    qsbr_offline();
+    tls_offline = true;
+}
+
+void sp_thread_online(void) {
+    if (!tls_attached || !tls_offline) return;
+    qsbr_online();
+    tls_offline = false;
 }
 
 /* ---- memory ------------------------------------------------------------------------------ */

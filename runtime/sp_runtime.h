@@ -23,12 +23,13 @@
  *
  * Threads that are not workers: sp_thread_attach gives one a thread cache and registers it
  * for QSBR; it reports quiescent states with sp_thread_quiescent now and then (a thread that
- * never does delays reclamation, never a frame) and must sp_thread_detach before it exits
- * and before sp_shutdown. Such a thread is not ordered with the frame loop, so: the frame
- * arena is not for it (a buffer is reclaimed under it), and in the handle heap it uses
- * alloc, free, pin and unpin, not bare resolve (a compaction step may move a resolved block
- * at any time; it holds the heap lock, so alloc, free, pin and unpin wait for it, and a
- * pinned block never moves).
+ * never does delays reclamation, never a frame), goes offline with sp_thread_offline before it
+ * blocks for long (I/O, a wait: reclamation then does not wait for it) and comes back with
+ * sp_thread_online, and must sp_thread_detach before it exits and before sp_shutdown. Such a thread
+ * is not ordered with the frame loop, so: the frame arena is not for it (a buffer is reclaimed
+ * under it), and in the handle heap it uses alloc, free, pin and unpin, not bare resolve (a
+ * compaction step may move a resolved block at any time; it holds the heap lock, so alloc, free,
+ * pin and unpin wait for it, and a pinned block never moves).
  *
  * Concurrency:
  *   sp_init, sp_shutdown, sp_frame_begin, sp_frame_end,      the main thread (the one that
@@ -42,8 +43,8 @@
  *   sp_region_of, sp_scheduler, sp_handles, sp_frames,       attached thread, any time
  *   sp_frame_counter                                         between init and shutdown
  *   sp_thread_attach, sp_thread_detach,                      a thread that is not a worker;
- *   sp_thread_quiescent                                      attach/detach in pairs (not
- *                                                            racing sp_shutdown)
+ *   sp_thread_quiescent, sp_thread_offline,                  attach/detach in pairs (not
+ *   sp_thread_online                                         racing sp_shutdown)
  * Frame arena memory must not be allocated while sp_frame_end flips the buffers: jobs on
  * counters of your own that outlive a frame may use the thread caches and the handle heap,
  * not the arena. Handle-heap compaction in sp_frame_end waits for a later frame while any
@@ -173,6 +174,15 @@ sp_result sp_thread_detach(void);
  * liburcu's quiescent-state store and a load). Workers need not call it. No-op on a thread that is
  * not attached. */
 void sp_thread_quiescent(void);
+
+/* An attached thread about to block goes offline: until sp_thread_online it holds no pointer
+ * into RCU-protected structures and reclamation (sp_retire) does not wait for it. While
+ * offline it may use the thread caches and submit jobs, not the handle heap (its table is
+ * RCU-protected). Offline twice, online while online, and both on a thread that is not
+ * attached are no-ops; sp_thread_quiescent while offline is a no-op; detaching while offline
+ * is fine. Cost: a store and a memory fence each (liburcu's thread_offline / _online). */
+void sp_thread_offline(void);
+void sp_thread_online(void);
 
 void sp_status_get(sp_status *out);
 

@@ -467,6 +467,69 @@ static void test_attach(void) {
     is_int(sp_shutdown(), SP_OK, "shutdown");
 }
 
+/* Frames until `want` retired objects were freed, or `ns` passed. */
+static int frames_until_freed(int want, uint64_t ns) {
+    uint64_t t0 = sp_time_ns();
+    while (atomic_load(&freed) < want && sp_time_ns() - t0 < ns) {
+        sp_frame_begin();
+        sp_frame_end();
+    }
+    return atomic_load(&freed);
+}
+
+static void *offline_thread(void *arg) {
+    int *r = arg;
+    r[0] = sp_thread_attach();
+    sp_thread_quiescent();
+    pthread_barrier_wait(&attach_bar); /* A: main retires; this thread is online and silent */
+    pthread_barrier_wait(&attach_bar); /* B: main saw nothing freed */
+    sp_thread_offline();
+    sp_thread_offline();            /* twice: a no-op */
+    sp_thread_quiescent();          /* offline: a no-op, the thread stays offline */
+    void *p = sp_tcache_alloc(100); /* the thread caches work offline */
+    r[1] = p != NULL;
+    sp_tcache_free(p);
+    pthread_barrier_wait(&attach_bar); /* C: main reclaims while this thread is offline */
+    pthread_barrier_wait(&attach_bar); /* D */
+    sp_thread_online();
+    sp_thread_online(); /* twice: a no-op */
+    sp_thread_quiescent();
+    sp_thread_offline(); /* and detach while offline */
+    r[2] = sp_thread_detach();
+    return NULL;
+}
+
+/* An attached thread that blocks online holds reclamation back; offline, it does not. */
+static void test_attach_offline(void) {
+    sp_desc d = small_desc(1);
+    sp_init(&d);
+    int r[3] = {-99, -99, -99};
+    pthread_barrier_init(&attach_bar, NULL, 2);
+    pthread_t t;
+    pthread_create(&t, NULL, offline_thread, r);
+    atomic_store(&freed, 0);
+    pthread_barrier_wait(&attach_bar); /* A */
+    sp_frame_begin();
+    sp_retire(malloc(32), count_free);
+    sp_frame_end();
+    is_int(frames_until_freed(1, 300000000u), 0,
+           "a retired object waits for an attached thread that is online and silent");
+    pthread_barrier_wait(&attach_bar); /* B */
+    pthread_barrier_wait(&attach_bar); /* C: the thread is offline now */
+    is_int(frames_until_freed(1, 5000000000u), 1, "... and is freed once that thread is offline");
+    sp_frame_begin();
+    sp_retire(malloc(32), count_free);
+    sp_frame_end();
+    is_int(frames_until_freed(2, 5000000000u), 2,
+           "objects retired while it stays offline are freed too");
+    pthread_barrier_wait(&attach_bar); /* D */
+    pthread_join(t, NULL);
+    pthread_barrier_destroy(&attach_bar);
+    ok(r[0] == SP_OK && r[1] && r[2] == SP_OK,
+       "attach, allocate while offline, online, offline again and detach: all fine");
+    is_int(sp_shutdown(), SP_OK, "shutdown");
+}
+
 int main(void) {
     test_before_init();
     test_regions();
@@ -476,5 +539,6 @@ int main(void) {
     test_overflow(SP_FRAME_OVERFLOW_HEAP);
     test_between();
     test_attach();
+    test_attach_offline();
     return done();
 }
