@@ -5,7 +5,7 @@
 #include <string.h>
 
 sp_counter *sp_frame_counter(void) {
-    return sp_rt.up ? sp_rt.frame_counter : NULL;
+    return rt_up() ? sp_rt.frame_counter : NULL;
 }
 
 sp_result sp_submit(const sp_job_desc *jobs, uint32_t count, sp_counter *counter) {
@@ -23,7 +23,7 @@ static uint64_t jobs_run(void) {
  * then lets the heap's own call through (`compact_gate`); asked by the heap for a direct
  * sp_handle_compact call. */
 static bool may_compact_now(void) {
-    return sp_rt.up && !sp_rt.in_frame && sp_thread_os_id() == sp_rt.main_thread &&
+    return rt_up() && !sp_rt.in_frame && sp_thread_os_id() == sp_rt.main_thread &&
            sp_jobs_idle(sp_rt.jobs);
 }
 

@@ -36,7 +36,7 @@ static const char *const region_names[SP_REGION_COUNT] = {"none", "heap", "frame
                                                           "persistent"};
 
 bool rt_is_up(const char *call) {
-    if (SP_LIKELY(sp_rt.up)) return true;
+    if (SP_LIKELY(rt_up())) return true;
     sp_log(SP_LOG_ERROR, SP_ERR_SHUTDOWN, call, NULL, "the runtime is not initialised");
     return false;
 }
@@ -397,7 +397,7 @@ static void stop_from(int n) {
 }
 
 sp_result sp_init(const sp_desc *desc) {
-    if (sp_rt.up) {
+    if (rt_up()) {
         sp_log(SP_LOG_ERROR, SP_ERR_INVALID_ARG, "sp_init", NULL, "already initialised");
         return SP_ERR_INVALID_ARG;
     }
@@ -422,7 +422,8 @@ sp_result sp_init(const sp_desc *desc) {
     sp_rt.in_frame = false;
     sp_rt.between_count = 0;
     atomic_store(&sp_rt.retire_count, 0);
-    sp_rt.up = true;
+    atomic_store(&sp_rt.stopping, false);
+    __atomic_store_n(&sp_rt.up, true, __ATOMIC_RELEASE);
     return SP_OK;
 }
 
@@ -438,8 +439,10 @@ sp_result sp_shutdown(void) {
                "frame %llu is open: call sp_frame_end first", (unsigned long long)sp_rt.frame);
         return SP_ERR_INVALID_ARG;
     }
+    atomic_store(&sp_rt.stopping, true); /* from here an attach backs off (see runtime) */
     uint32_t attached = atomic_load(&sp_rt.attached);
     if (attached) {
+        atomic_store(&sp_rt.stopping, false);
         sp_log(SP_LOG_ERROR, SP_ERR_INVALID_ARG, "sp_shutdown", NULL,
                "%u threads are still attached: sp_thread_detach them first", attached);
         return SP_ERR_INVALID_ARG;
@@ -448,8 +451,11 @@ sp_result sp_shutdown(void) {
      * result (SP_ERR_STALLED: jobs abandoned). Called from a job it refuses (logged) and
      * nothing is stopped; jobs_stop later finds it shut down and destroys it. */
     r = sp_jobs_shutdown(sp_rt.jobs);
-    if (r == SP_ERR_INVALID_ARG) return r;
-    sp_rt.up = false;
+    if (r == SP_ERR_INVALID_ARG) {
+        atomic_store(&sp_rt.stopping, false);
+        return r;
+    }
+    __atomic_store_n(&sp_rt.up, false, __ATOMIC_RELEASE);
     stop_from(SUBSYSTEMS);
     sp_rt.main_thread = 0;
     return r == SP_ERR_STALLED ? r : SP_OK;
@@ -459,18 +465,32 @@ sp_result sp_shutdown(void) {
 
 sp_result sp_thread_attach(void) {
     if (!rt_is_up("sp_thread_attach")) return SP_ERR_SHUTDOWN;
-    if (tls_attached || sp_jobs_worker_id() != SP_JOBS_NOT_A_WORKER ||
-        sp_thread_os_id() == sp_rt.main_thread) {
+    if (tls_attached) {
         sp_log(SP_LOG_ERROR, SP_ERR_INVALID_ARG, "sp_thread_attach", NULL,
-               tls_attached ? "the thread is already attached"
-                            : "workers and the main thread are attached by the runtime");
+               "the thread is already attached");
         return SP_ERR_INVALID_ARG;
     }
-    sp_result r = sp_tcache_thread_attach();
-    if (r != SP_OK) return r;
+    /* Counted first, then `stopping` read (see runtime.stopping): past this, sp_shutdown
+     * refuses, so the runtime's state (main_thread, the caches) stays put under us. */
+    atomic_fetch_add(&sp_rt.attached, 1);
+    sp_result r = SP_OK;
+    if (atomic_load(&sp_rt.stopping)) {
+        r = SP_ERR_SHUTDOWN;
+        sp_log(SP_LOG_ERROR, r, "sp_thread_attach", NULL, "sp_shutdown is running");
+    } else if (sp_jobs_worker_id() != SP_JOBS_NOT_A_WORKER ||
+               sp_thread_os_id() == sp_rt.main_thread) {
+        r = SP_ERR_INVALID_ARG;
+        sp_log(SP_LOG_ERROR, r, "sp_thread_attach", NULL,
+               "workers and the main thread are attached by the runtime");
+    } else {
+        r = sp_tcache_thread_attach();
+    }
+    if (r != SP_OK) {
+        atomic_fetch_sub(&sp_rt.attached, 1);
+        return r;
+    }
     qsbr_register();
     tls_attached = true;
-    atomic_fetch_add(&sp_rt.attached, 1);
     return SP_OK;
 }
 
@@ -485,7 +505,7 @@ sp_result sp_thread_detach(void) {
     qsbr_unregister();
     sp_tcache_thread_detach();
     tls_attached = false;
-    atomic_fetch_sub(&sp_rt.attached, 1);
+    atomic_fetch_sub(&sp_rt.attached, 1); /* last: a shutdown waits for the whole detach */
     return SP_OK;
 }
 
@@ -560,19 +580,19 @@ void *sp_arena_not_up(void) {
 }
 
 sp_jobs *sp_scheduler(void) {
-    return sp_rt.up ? sp_rt.jobs : NULL;
+    return rt_up() ? sp_rt.jobs : NULL;
 }
 sp_frame_arena *sp_frames(void) {
     return sp_runtime_g.arena;
 }
 sp_handle_heap *sp_handles(void) {
-    return sp_rt.up ? sp_rt.handles : NULL;
+    return rt_up() ? sp_rt.handles : NULL;
 }
 
 void sp_status_get(sp_status *out) {
     memset(out, 0, sizeof *out);
-    out->initialised = sp_rt.up;
-    if (!sp_rt.up) return;
+    out->initialised = rt_up();
+    if (!out->initialised) return;
     out->pages = sp_rt.pages;
     out->reserved = sp_rt.size;
     out->frame = sp_rt.frame;

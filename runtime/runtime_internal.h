@@ -56,7 +56,12 @@ typedef struct runtime {
     bool reclaimer_started;
     sp_thread reclaimer;
 
+    /* Attach against shutdown, a Dekker handshake (sequentially consistent): an attach counts
+     * itself in `attached`, then reads `stopping`; sp_shutdown sets `stopping`, then reads
+     * `attached`. At least one of them sees the other: the attach backs off, or the shutdown
+     * refuses (and clears `stopping` again). */
     _Atomic uint32_t attached;
+    _Atomic bool stopping;
     _Atomic uint64_t trim_epoch; /* bumped by sp_frame_end: workers trim when they go idle */
 
     /* Frame loop (main thread only). */
@@ -76,6 +81,11 @@ SP_HIDDEN extern runtime sp_rt;
 /* SP_OK on the main thread of a running runtime; otherwise logs `call` and returns
  * SP_ERR_SHUTDOWN (not running) or SP_ERR_INVALID_ARG (another thread). */
 SP_HIDDEN sp_result rt_main_only(const char *call);
+/* Whether the runtime is up (any thread: `up` changes only in sp_init / sp_shutdown). */
+static inline bool rt_up(void) {
+    return __atomic_load_n(&sp_rt.up, __ATOMIC_ACQUIRE);
+}
+
 /* true if the runtime is up; otherwise logs `call` (SP_ERR_SHUTDOWN) and returns false. */
 SP_HIDDEN bool rt_is_up(const char *call);
 

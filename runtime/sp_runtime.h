@@ -43,8 +43,10 @@
  *   sp_region_of, sp_scheduler, sp_handles, sp_frames,       attached thread, any time
  *   sp_frame_counter                                         between init and shutdown
  *   sp_thread_attach, sp_thread_detach,                      a thread that is not a worker;
- *   sp_thread_quiescent, sp_thread_offline,                  attach/detach in pairs (not
- *   sp_thread_online                                         racing sp_shutdown)
+ *   sp_thread_quiescent, sp_thread_offline,                  attach/detach in pairs; an
+ *   sp_thread_online                                         attach racing sp_shutdown
+ *                                                            either fails (SP_ERR_SHUTDOWN)
+ *                                                            or makes it refuse
  * Frame arena memory must not be allocated while sp_frame_end flips the buffers: jobs on
  * counters of your own that outlive a frame may use the thread caches and the handle heap,
  * not the arena. Handle-heap compaction in sp_frame_end waits for a later frame while any
@@ -162,8 +164,9 @@ const char *sp_init_failure(void);
 sp_result sp_shutdown(void);
 
 /* Attach a thread that is not a worker: a thread cache now, a QSBR registration (it may use
- * the handle heap). Returns SP_OK; SP_ERR_SHUTDOWN before init; SP_ERR_INVALID_ARG on a
- * worker or an already attached thread. */
+ * the handle heap). Returns SP_OK; SP_ERR_SHUTDOWN before init, after shutdown or while
+ * sp_shutdown runs (an attach that wins the race makes sp_shutdown refuse instead);
+ * SP_ERR_INVALID_ARG on a worker or an already attached thread. */
 sp_result sp_thread_attach(void);
 
 /* Detach: the cache is handed back, the QSBR registration ends. Before the thread exits and

@@ -49,6 +49,71 @@ static void *attached(void *arg) {
     return NULL;
 }
 
+/* Attaches racing sp_init / sp_shutdown: a thread attaches, allocates, detaches, again and
+ * again, while the main thread starts and stops the runtime. Every attach either succeeds
+ * (and its thread cache works) or fails with SP_ERR_SHUTDOWN; every shutdown either succeeds
+ * or refuses because a thread is attached. */
+static atomic_int race_ok, race_refused, race_bad;
+
+static void *racer(void *arg) {
+    (void)arg;
+    while (!atomic_load(&stop)) {
+        sp_result r = sp_thread_attach();
+        if (r == SP_OK) {
+            void *p = sp_tcache_alloc(64);
+            if (!p) atomic_fetch_add(&race_bad, 1);
+            sp_tcache_free(p);
+            if (sp_thread_detach() != SP_OK) atomic_fetch_add(&race_bad, 1);
+            atomic_fetch_add(&race_ok, 1);
+        } else if (r == SP_ERR_SHUTDOWN) {
+            atomic_fetch_add(&race_refused, 1);
+        } else {
+            atomic_fetch_add(&race_bad, 1);
+        }
+    }
+    return NULL;
+}
+
+static void test_attach_races_shutdown(void) {
+    sp_desc d = ts_small_desc(1, 16);
+    atomic_store(&stop, false);
+    ts_log_capture(); /* the refused attaches and shutdowns are logged */
+    pthread_t t;
+    pthread_create(&t, NULL, racer, NULL);
+    uint32_t cycles = (uint32_t)ts_scaled(200, 20);
+    int inits = 0, shutdowns = 0, refusals = 0, other = 0;
+    for (uint32_t c = 0; c < cycles; c++) {
+        inits += sp_init(&d) == SP_OK;
+        int before = atomic_load(&race_ok);
+        uint64_t t0 = sp_time_ns(); /* up until the racer got in once (or 20 ms) */
+        while (atomic_load(&race_ok) == before && sp_time_ns() - t0 < 20000000u) {
+            sp_frame_begin();
+            sp_frame_end();
+        }
+        for (;;) {
+            sp_result r = sp_shutdown();
+            if (r == SP_OK) break;
+            if (r == SP_ERR_INVALID_ARG) {
+                refusals++;
+                sp_thread_yield();
+                continue;
+            }
+            other++;
+            break;
+        }
+        shutdowns++;
+    }
+    atomic_store(&stop, true);
+    pthread_join(t, NULL);
+    ts_log_release();
+    ok(inits == (int)cycles && shutdowns == (int)cycles && other == 0,
+       "%u init/shutdown cycles against a thread attaching and detaching: all done", cycles);
+    ok(atomic_load(&race_bad) == 0,
+       "every attach succeeded (%d, cache working) or failed with SP_ERR_SHUTDOWN (%d); %d "
+       "shutdowns refused while it was attached",
+       atomic_load(&race_ok), atomic_load(&race_refused), refusals);
+}
+
 int main(void) {
     sp_desc d = ts_small_desc(1, 64);
     if (sp_init(&d) != SP_OK) {
@@ -82,5 +147,6 @@ int main(void) {
     ok(hs.live_handles == 0 && sp_handle_heap_check(sp_handles()) == SP_OK,
        "the heap is empty and consistent");
     is_int(sp_shutdown(), SP_OK, "shutdown");
+    test_attach_races_shutdown();
     return done();
 }
