@@ -29,7 +29,8 @@ static bool may_compact_now(void) {
 
 bool rt_may_compact(void *user) {
     (void)user;
-    return sp_rt.compact_gate || may_compact_now();
+    /* The main thread first: a call from another thread never gets through the gate. */
+    return sp_thread_os_id() == sp_rt.main_thread && (sp_rt.compact_gate || may_compact_now());
 }
 
 sp_result sp_frame_begin(void) {
@@ -40,7 +41,7 @@ sp_result sp_frame_begin(void) {
                "frame %llu is already open", (unsigned long long)sp_rt.frame);
         return SP_ERR_INVALID_ARG;
     }
-    sp_rt.in_frame = true;
+    __atomic_store_n(&sp_rt.in_frame, true, __ATOMIC_RELAXED); /* sp_status_get reads it */
     sp_rt.frame_t0 = sp_time_ns();
     sp_rt.jobs_run_t0 = jobs_run();
     sp_rt.retired_t0 = atomic_load_explicit(&sp_rt.retire_count, memory_order_relaxed);
@@ -94,7 +95,7 @@ sp_result sp_frame_end(void) {
     if (r != SP_OK) return r; /* logged by the scheduler; the frame stays open */
     st.wait_ns = sp_time_ns() - t_wait;
     st.jobs_run = jobs_run() - sp_rt.jobs_run_t0;
-    sp_rt.in_frame = false;
+    __atomic_store_n(&sp_rt.in_frame, false, __ATOMIC_RELAXED);
 
     sp_frame_buffer_status closed;
     sp_frame_arena_advance(sp_runtime_g.arena, &closed);
@@ -121,7 +122,7 @@ sp_result sp_frame_end(void) {
     st.retired = atomic_load_explicit(&sp_rt.retire_count, memory_order_relaxed) - sp_rt.retired_t0;
     st.frame_ns = sp_time_ns() - sp_rt.frame_t0;
     sp_rt.last = st;
-    sp_rt.frame++;
+    __atomic_store_n(&sp_rt.frame, sp_rt.frame + 1, __ATOMIC_RELAXED); /* read by sp_status_get */
     return SP_OK;
 }
 

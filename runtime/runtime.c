@@ -500,8 +500,7 @@ sp_result sp_thread_detach(void) {
                "the thread is not attached");
         return SP_ERR_INVALID_ARG;
     }
-    if (tls_offline) qsbr_online(); /* liburcu accounts an unregistering thread as online */
-    tls_offline = false;
+    tls_offline = false; /* liburcu's unregister takes an offline thread as it is */
     qsbr_unregister();
     sp_tcache_thread_detach();
     tls_attached = false;
@@ -595,8 +594,8 @@ void sp_status_get(sp_status *out) {
     if (!out->initialised) return;
     out->pages = sp_rt.pages;
     out->reserved = sp_rt.size;
-    out->frame = sp_rt.frame;
-    out->in_frame = sp_rt.in_frame;
+    out->frame = __atomic_load_n(&sp_rt.frame, __ATOMIC_RELAXED);
+    out->in_frame = __atomic_load_n(&sp_rt.in_frame, __ATOMIC_RELAXED);
     out->attached_threads = atomic_load(&sp_rt.attached);
     memcpy(out->regions, sp_rt.region, sizeof out->regions);
 }

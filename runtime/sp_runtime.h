@@ -45,8 +45,11 @@
  *   sp_thread_attach, sp_thread_detach,                      a thread that is not a worker;
  *   sp_thread_quiescent, sp_thread_offline,                  attach/detach in pairs; an
  *   sp_thread_online                                         attach racing sp_shutdown
- *                                                            either fails (SP_ERR_SHUTDOWN)
- *                                                            or makes it refuse
+ *                                                            fails (SP_ERR_SHUTDOWN) or
+ *                                                            makes it refuse, or both
+ *   sp_status_get                                            any thread (the frame figures
+ *                                                            of another thread's call may
+ *                                                            lag by a frame)
  * Frame arena memory must not be allocated while sp_frame_end flips the buffers: jobs on
  * counters of your own that outlive a frame may use the thread caches and the handle heap,
  * not the arena. Handle-heap compaction in sp_frame_end waits for a later frame while any
@@ -163,10 +166,12 @@ const char *sp_init_failure(void);
  * Leaks are reported through the logger (blocks still live in the heap or handle heap). */
 sp_result sp_shutdown(void);
 
-/* Attach a thread that is not a worker: a thread cache now, a QSBR registration (it may use
- * the handle heap). Returns SP_OK; SP_ERR_SHUTDOWN before init, after shutdown or while
- * sp_shutdown runs (an attach that wins the race makes sp_shutdown refuse instead);
- * SP_ERR_INVALID_ARG on a worker or an already attached thread. */
+/* Attach a thread that is not a worker: a thread cache now and a QSBR registration (so that
+ * reclamation knows about the thread). Returns SP_OK; SP_ERR_SHUTDOWN before init, after
+ * shutdown, or when it ran into an sp_shutdown in progress (which may then still have
+ * refused: SP_ERR_SHUTDOWN does not say the runtime is going down; try again later);
+ * SP_ERR_INVALID_ARG on a worker (SP_ERR_SHUTDOWN in that window) or an already attached
+ * thread. An attach that gets past sp_shutdown's check makes it refuse. */
 sp_result sp_thread_attach(void);
 
 /* Detach: the cache is handed back, the QSBR registration ends. Before the thread exits and
@@ -179,11 +184,16 @@ sp_result sp_thread_detach(void);
 void sp_thread_quiescent(void);
 
 /* An attached thread about to block goes offline: until sp_thread_online it holds no pointer
- * into RCU-protected structures and reclamation (sp_retire) does not wait for it. While
- * offline it may use the thread caches and submit jobs, not the handle heap (its table is
- * RCU-protected). Offline twice, online while online, and both on a thread that is not
- * attached are no-ops; sp_thread_quiescent while offline is a no-op; detaching while offline
- * is fine. Cost: a store and a memory fence each (liburcu's thread_offline / _online). */
+ * into RCU-protected data (anything it or others hand to sp_retire, and sp_handle_resolve's
+ * table, which an attached thread does not use anyway) and reclamation does not wait for it.
+ * Offline it may use the thread caches, the handle heap's alloc/free/pin/unpin (they read the
+ * table under the heap lock) and submit jobs (sp_jobs_parallel_for may run the function
+ * inline on the calling thread: it must then not read RCU-protected data either). Online
+ * again, it counts as quiescent at once; reclamation waits for it from the next grace period.
+ * Offline twice, online while online, and both on a thread that is not attached are no-ops;
+ * sp_thread_quiescent while offline is a no-op; detaching while offline is fine. Cost:
+ * liburcu's thread_offline (two fences, a store, maybe a futex wake) / thread_online (a
+ * store and a fence). */
 void sp_thread_offline(void);
 void sp_thread_online(void);
 

@@ -433,6 +433,8 @@ static void *attach_thread(void *arg) {
     ts_log_capture();
     r[4] = sp_thread_detach();
     ts_log_release();
+    r[5] = sp_thread_attach(); /* the refused shutdown left nothing behind */
+    r[6] = sp_thread_detach();
     return NULL;
 }
 
@@ -442,7 +444,7 @@ static void test_attach(void) {
     ts_log_capture();
     is_int(sp_thread_attach(), SP_ERR_INVALID_ARG, "the main thread cannot attach");
     ts_log_release();
-    int r[5] = {-99, -99, -99, -99, -99};
+    int r[7] = {-99, -99, -99, -99, -99, -99, -99};
     pthread_barrier_init(&attach_bar, NULL, 2);
     pthread_t t;
     pthread_create(&t, NULL, attach_thread, r);
@@ -462,6 +464,7 @@ static void test_attach(void) {
     pthread_join(t, NULL);
     pthread_barrier_destroy(&attach_bar);
     ok(r[3] == SP_OK && r[4] == SP_ERR_INVALID_ARG, "detach once (twice: SP_ERR_INVALID_ARG)");
+    ok(r[5] == SP_OK && r[6] == SP_OK, "after a refused shutdown a thread attaches again");
     sp_status_get(&st);
     is_int(st.attached_threads, 0, "no thread attached");
     is_int(sp_shutdown(), SP_OK, "shutdown");
@@ -492,7 +495,9 @@ static void *offline_thread(void *arg) {
     pthread_barrier_wait(&attach_bar); /* C: main reclaims while this thread is offline */
     pthread_barrier_wait(&attach_bar); /* D */
     sp_thread_online();
-    sp_thread_online(); /* twice: a no-op */
+    sp_thread_online();                /* twice: a no-op */
+    pthread_barrier_wait(&attach_bar); /* E: main retires; this thread is online and silent */
+    pthread_barrier_wait(&attach_bar); /* F */
     sp_thread_quiescent();
     sp_thread_offline(); /* and detach while offline */
     r[2] = sp_thread_detach();
@@ -523,6 +528,14 @@ static void test_attach_offline(void) {
     is_int(frames_until_freed(2, 5000000000u), 2,
            "objects retired while it stays offline are freed too");
     pthread_barrier_wait(&attach_bar); /* D */
+    pthread_barrier_wait(&attach_bar); /* E: the thread is online again, and silent */
+    sp_frame_begin();
+    sp_retire(malloc(32), count_free);
+    sp_frame_end();
+    is_int(frames_until_freed(3, 300000000u), 2,
+           "online again, the silent thread holds reclamation back again");
+    pthread_barrier_wait(&attach_bar); /* F */
+    is_int(frames_until_freed(3, 5000000000u), 3, "... until it reports a quiescent state");
     pthread_join(t, NULL);
     pthread_barrier_destroy(&attach_bar);
     ok(r[0] == SP_OK && r[1] && r[2] == SP_OK,

@@ -67,6 +67,7 @@ static void *racer(void *arg) {
             atomic_fetch_add(&race_ok, 1);
         } else if (r == SP_ERR_SHUTDOWN) {
             atomic_fetch_add(&race_refused, 1);
+            sp_thread_yield();
         } else {
             atomic_fetch_add(&race_bad, 1);
         }
@@ -80,7 +81,7 @@ static void test_attach_races_shutdown(void) {
     ts_log_capture(); /* the refused attaches and shutdowns are logged */
     pthread_t t;
     pthread_create(&t, NULL, racer, NULL);
-    uint32_t cycles = (uint32_t)ts_scaled(200, 20);
+    uint32_t cycles = (uint32_t)ts_scaled(200, 4);
     int inits = 0, shutdowns = 0, refusals = 0, other = 0;
     for (uint32_t c = 0; c < cycles; c++) {
         inits += sp_init(&d) == SP_OK;
@@ -90,10 +91,11 @@ static void test_attach_races_shutdown(void) {
             sp_frame_begin();
             sp_frame_end();
         }
+        uint64_t s0 = sp_time_ns();
         for (;;) {
             sp_result r = sp_shutdown();
             if (r == SP_OK) break;
-            if (r == SP_ERR_INVALID_ARG) {
+            if (r == SP_ERR_INVALID_ARG && sp_time_ns() - s0 < 20000000000u) {
                 refusals++;
                 sp_thread_yield();
                 continue;
@@ -108,9 +110,9 @@ static void test_attach_races_shutdown(void) {
     ts_log_release();
     ok(inits == (int)cycles && shutdowns == (int)cycles && other == 0,
        "%u init/shutdown cycles against a thread attaching and detaching: all done", cycles);
-    ok(atomic_load(&race_bad) == 0,
-       "every attach succeeded (%d, cache working) or failed with SP_ERR_SHUTDOWN (%d); %d "
-       "shutdowns refused while it was attached",
+    ok(atomic_load(&race_bad) == 0 && atomic_load(&race_ok) > 0,
+       "every attach succeeded (%d, at least one; cache working) or failed with "
+       "SP_ERR_SHUTDOWN (%d); %d shutdowns refused while it was attached",
        atomic_load(&race_ok), atomic_load(&race_refused), refusals);
 }
 
