@@ -470,6 +470,13 @@ static void test_attach(void) {
     is_int(sp_shutdown(), SP_OK, "shutdown");
 }
 
+/* One object retired in a frame of its own. */
+static void retire_one(void) {
+    sp_frame_begin();
+    sp_retire(malloc(32), count_free);
+    sp_frame_end();
+}
+
 /* Frames until `want` retired objects were freed, or `ns` passed. */
 static int frames_until_freed(int want, uint64_t ns) {
     uint64_t t0 = sp_time_ns();
@@ -514,24 +521,18 @@ static void test_attach_offline(void) {
     pthread_create(&t, NULL, offline_thread, r);
     atomic_store(&freed, 0);
     pthread_barrier_wait(&attach_bar); /* A */
-    sp_frame_begin();
-    sp_retire(malloc(32), count_free);
-    sp_frame_end();
+    retire_one();
     is_int(frames_until_freed(1, 300000000u), 0,
            "a retired object waits for an attached thread that is online and silent");
     pthread_barrier_wait(&attach_bar); /* B */
     pthread_barrier_wait(&attach_bar); /* C: the thread is offline now */
     is_int(frames_until_freed(1, 5000000000u), 1, "... and is freed once that thread is offline");
-    sp_frame_begin();
-    sp_retire(malloc(32), count_free);
-    sp_frame_end();
+    retire_one();
     is_int(frames_until_freed(2, 5000000000u), 2,
            "objects retired while it stays offline are freed too");
     pthread_barrier_wait(&attach_bar); /* D */
     pthread_barrier_wait(&attach_bar); /* E: the thread is online again, and silent */
-    sp_frame_begin();
-    sp_retire(malloc(32), count_free);
-    sp_frame_end();
+    retire_one();
     is_int(frames_until_freed(3, 300000000u), 2,
            "online again, the silent thread holds reclamation back again");
     pthread_barrier_wait(&attach_bar); /* F */
