@@ -478,13 +478,9 @@ static void test_debug_fill(void) {
 
 /* ---- migration ------------------------------------------------------------------------- */
 
-enum { PAIRS = 8, PER = 6, MIN_ROUNDS = 10, MAX_ROUNDS = 3000, WANT_MIGRATIONS = 16 };
+enum { PER = 6, MIN_ROUNDS = 10, MAX_ROUNDS = 3000, WANT_MIGRATIONS = 16 };
 static atomic_int wrong_before, wrong_after, migrations, waits;
 static sp_frame_arena *mig_arena;
-
-typedef struct pair {
-    sp_counter *go;
-} pair;
 
 /* Whether [p, p+n) was just bumped from the running thread's current chunk of arena a: the
  * thread's chunk (read here, in a call of its own after any suspension) is this frame's and
@@ -498,7 +494,7 @@ static __attribute__((noinline)) bool from_running_chunk(sp_frame_arena *a, cons
 }
 
 static void waiter_job(void *arg) {
-    pair *pr = arg;
+    ts_pair *pr = arg;
     uint64_t a = sp_thread_os_id();
     for (int i = 0; i < PER; i++) {
         size_t n = 24 + (size_t)i * 40;
@@ -516,11 +512,9 @@ static void waiter_job(void *arg) {
     atomic_fetch_add(&waits, 1);
 }
 
-static void signal_job(void *arg) {
-    pair *pr = arg;
-    for (volatile int i = 0; i < 2000; i++) {
-    }
-    sp_counter_sub(pr->go, 1);
+/* Between frames: no allocation in flight. */
+static void advance(void *arena) {
+    sp_frame_arena_advance(arena, NULL);
 }
 
 static void test_migration(void) {
@@ -531,29 +525,12 @@ static void test_migration(void) {
         ok(0, "migration");
         return;
     }
-    sp_counter *round = sp_counter_create(s, "round");
-    pair pairs[PAIRS];
-    sp_job_desc waiters[PAIRS], signals[PAIRS];
-    for (int i = 0; i < PAIRS; i++) {
-        pairs[i].go = sp_counter_create(s, "go");
-        waiters[i] = (sp_job_desc){.fn = waiter_job, .arg = &pairs[i], .name = "waiter"};
-        signals[i] = (sp_job_desc){.fn = signal_job, .arg = &pairs[i], .name = "signal"};
-    }
-    int rounds = 0;
-    while (rounds < MAX_ROUNDS &&
-           (rounds < MIN_ROUNDS || atomic_load(&migrations) < WANT_MIGRATIONS)) {
-        for (int i = 0; i < PAIRS; i++) sp_counter_add(pairs[i].go, 1);
-        sp_jobs_submit(s, waiters, PAIRS, round);
-        sp_jobs_submit(s, signals, PAIRS, round);
-        sp_counter_wait(round, 0);
-        sp_frame_arena_advance(mig_arena, NULL); /* between frames: no allocation in flight */
-        rounds++;
-    }
-    for (int i = 0; i < PAIRS; i++) sp_counter_destroy(pairs[i].go);
-    sp_counter_destroy(round);
+    int rounds = ts_migration_rounds(s, waiter_job, MIN_ROUNDS, MAX_ROUNDS, &migrations,
+                                     WANT_MIGRATIONS, advance, mig_arena);
     sp_jobs_destroy(s);
-    ok(atomic_load(&waits) == rounds * PAIRS && atomic_load(&migrations) >= WANT_MIGRATIONS,
-       "%d rounds of %d waiting jobs; %d resumed on another worker", rounds, PAIRS,
+    ok(rounds >= 0 && atomic_load(&waits) == rounds * TS_PAIRS &&
+           atomic_load(&migrations) >= WANT_MIGRATIONS,
+       "%d rounds of %d waiting jobs; %d resumed on another worker", rounds, TS_PAIRS,
        atomic_load(&migrations));
     ok(atomic_load(&wrong_before) == 0 && atomic_load(&wrong_after) == 0,
        "every block came from the chunk of the thread running the job, before and after its "

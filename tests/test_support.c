@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -281,6 +282,40 @@ bool ts_bug_child(int argc, char **argv, const ts_bug *bugs, size_t n) {
 }
 
 /* ---- runtime ----------------------------------------------------------------------------- */
+
+/* Lets its partner go after a moment, from wherever it runs. */
+static void ts_signal_job(void *arg) {
+    ts_pair *p = arg;
+    for (volatile int i = 0; i < 2000; i++) {
+    }
+    sp_counter_sub(p->go, 1);
+}
+
+int ts_migration_rounds(sp_jobs *s, void (*waiter)(void *), int min_rounds, int max_rounds,
+                        const _Atomic int *migrations, int want, void (*between)(void *),
+                        void *user) {
+    sp_counter *round = sp_counter_create(s, "round");
+    ts_pair pairs[TS_PAIRS];
+    sp_job_desc waiters[TS_PAIRS], signals[TS_PAIRS];
+    for (int i = 0; i < TS_PAIRS; i++) {
+        pairs[i].go = sp_counter_create(s, "go");
+        waiters[i] = (sp_job_desc){.fn = waiter, .arg = &pairs[i], .name = "waiter"};
+        signals[i] = (sp_job_desc){.fn = ts_signal_job, .arg = &pairs[i], .name = "signal"};
+    }
+    int rounds = 0;
+    bool good = round != NULL;
+    while (good && rounds < max_rounds && (rounds < min_rounds || atomic_load(migrations) < want)) {
+        for (int i = 0; i < TS_PAIRS; i++) sp_counter_add(pairs[i].go, 1);
+        good &= sp_jobs_submit(s, waiters, TS_PAIRS, round) == SP_OK;
+        good &= sp_jobs_submit(s, signals, TS_PAIRS, round) == SP_OK;
+        good &= sp_counter_wait(round, 0) == SP_OK;
+        if (between) between(user);
+        rounds++;
+    }
+    for (int i = 0; i < TS_PAIRS; i++) sp_counter_destroy(pairs[i].go);
+    sp_counter_destroy(round);
+    return good ? rounds : -1;
+}
 
 sp_desc ts_small_desc(uint32_t workers, size_t handle_mib) {
     const size_t mib = (size_t)1 << 20;

@@ -7,6 +7,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "sp_jobs.h"
 #include "sp_log.h"
 #include "sp_runtime.h"
 #include "tap.h"
@@ -86,5 +87,19 @@ uint64_t ts_scaled(uint64_t n, uint64_t div);
  * `handle_mib` MiB, persistent region 2 MiB) and `workers` background workers (0: none, every
  * job on the main thread). */
 sp_desc ts_small_desc(uint32_t workers, size_t handle_mib);
+
+/* Job migration harness: rounds of TS_PAIRS waiting jobs on scheduler s. Each round submits
+ * waiter(ts_pair *) jobs, which do their work, sp_counter_wait(pair->go, 0) (the fiber parks and
+ * may resume on another worker) and work again, and signal jobs that release them from wherever
+ * they run. Rounds go on until at least min_rounds ran and *migrations (which the waiters count)
+ * reached want, max_rounds at most; between(user) runs after each round when not NULL. Returns
+ * the rounds run, or -1 when a submit or wait failed. */
+enum { TS_PAIRS = 8 };
+typedef struct ts_pair {
+    sp_counter *go;
+} ts_pair;
+int ts_migration_rounds(sp_jobs *s, void (*waiter)(void *), int min_rounds, int max_rounds,
+                        const _Atomic int *migrations, int want, void (*between)(void *),
+                        void *user);
 
 #endif

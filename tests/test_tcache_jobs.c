@@ -9,19 +9,15 @@
 #include "sp_tcache.h"
 #include "test_support.h"
 
-enum { PAIRS = 8, SIZES = 4, MIN_ROUNDS = 20, MAX_ROUNDS = 4000, WANT_MIGRATIONS = 16 };
+enum { SIZES = 4, MIN_ROUNDS = 20, MAX_ROUNDS = 4000, WANT_MIGRATIONS = 16 };
 static const size_t sizes[SIZES] = {24, 200, 3000, 30000};
 
 static atomic_int wrong_before, wrong_after, wrong_worker, migrations, waits;
 
-typedef struct pair {
-    sp_counter *go;
-} pair;
-
 /* Allocates, waits for its partner's signal, allocates again: both halves checked against the
  * thread running them. */
 static void waiter_job(void *arg) {
-    pair *p = arg;
+    ts_pair *p = arg;
     void *before[SIZES], *after[SIZES];
     uint64_t a = sp_thread_os_id();
     for (int i = 0; i < SIZES; i++) {
@@ -46,39 +42,16 @@ static void waiter_job(void *arg) {
     }
 }
 
-/* Lets its partner go after a moment, from wherever it runs. */
-static void signal_job(void *arg) {
-    pair *p = arg;
-    for (volatile int i = 0; i < 2000; i++) {
-    }
-    sp_counter_sub(p->go, 1);
-}
-
 int main(void) {
     plan(6);
     sp_jobs *s = NULL;
     if (sp_jobs_create(&s, &(sp_jobs_desc){.workers = 4}) != SP_OK)
         skip_all("sp_jobs_create failed");
-    sp_counter *round = sp_counter_create(s, "round");
-    pair pairs[PAIRS];
-    sp_job_desc waiters[PAIRS], signals[PAIRS];
-    for (int i = 0; i < PAIRS; i++) {
-        pairs[i].go = sp_counter_create(s, "go");
-        waiters[i] = (sp_job_desc){.fn = waiter_job, .arg = &pairs[i], .name = "waiter"};
-        signals[i] = (sp_job_desc){.fn = signal_job, .arg = &pairs[i], .name = "signal"};
-    }
-    int rounds = 0;
-    bool submitted = true;
-    while (rounds < MAX_ROUNDS &&
-           (rounds < MIN_ROUNDS || atomic_load(&migrations) < WANT_MIGRATIONS)) {
-        for (int i = 0; i < PAIRS; i++) sp_counter_add(pairs[i].go, 1);
-        submitted &= sp_jobs_submit(s, waiters, PAIRS, round) == SP_OK;
-        submitted &= sp_jobs_submit(s, signals, PAIRS, round) == SP_OK;
-        submitted &= sp_counter_wait(round, 0) == SP_OK;
-        rounds++;
-    }
-    ok(submitted && atomic_load(&waits) == rounds * PAIRS, "%d rounds of %d waiting jobs ran (%d)",
-       rounds, PAIRS, atomic_load(&waits));
+    int rounds = ts_migration_rounds(s, waiter_job, MIN_ROUNDS, MAX_ROUNDS, &migrations,
+                                     WANT_MIGRATIONS, NULL, NULL);
+    bool submitted = rounds >= 0;
+    ok(submitted && atomic_load(&waits) == rounds * TS_PAIRS,
+       "%d rounds of %d waiting jobs ran (%d)", rounds, TS_PAIRS, atomic_load(&waits));
     ok(atomic_load(&migrations) >= WANT_MIGRATIONS,
        "jobs resumed on another worker after their wait: %d times (at least %d wanted)",
        atomic_load(&migrations), WANT_MIGRATIONS);
@@ -92,8 +65,6 @@ int main(void) {
     ok(atomic_load(&wrong_worker) == 0,
        "sp_jobs_worker_id changed exactly when the thread did (wrong %d)",
        atomic_load(&wrong_worker));
-    for (int i = 0; i < PAIRS; i++) sp_counter_destroy(pairs[i].go);
-    sp_counter_destroy(round);
     sp_jobs_destroy(s); /* the workers exit: their caches detach */
     sp_tcache_thread_detach();
     sp_tcache_trim();
