@@ -56,10 +56,6 @@ static sp_handle_table *table_make(sp_handle_heap *h, uint32_t cap, const sp_han
     return t;
 }
 
-static void table_free(void *t) {
-    free(t);
-}
-
 /* Double the table: copy, publish with release, retire the old one. Lock held. */
 static sp_result table_grow(sp_handle_heap *h) {
     sp_handle_table *old = h->head.table;
@@ -72,7 +68,7 @@ static sp_result table_grow(sp_handle_heap *h) {
     if (!t) return SP_ERR_NOMEM;
     __atomic_store_n(&h->head.table, t, __ATOMIC_RELEASE);
     if (h->desc.retire) {
-        h->desc.retire(h->desc.retire_user, old, table_free);
+        h->desc.retire(h->desc.retire_user, old, free);
     } else {
         old->retired_next = h->retired;
         h->retired = old;

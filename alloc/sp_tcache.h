@@ -247,6 +247,11 @@ static inline __attribute__((always_inline)) sp_tcache_block *sp_tcache_list_(ui
 static inline __attribute__((always_inline)) uint32_t sp_tcache_count_(uintptr_t w) {
     return (uint32_t)(w >> SP_TCACHE_LIST_BITS);
 }
+/* The count part of w in place (its list bits zero): a new word is this, plus or minus
+ * SP_TCACHE_COUNT_ONEs, plus a list. */
+static inline __attribute__((always_inline)) uintptr_t sp_tcache_count_bits_(uintptr_t w) {
+    return w & ~(SP_TCACHE_COUNT_ONE - 1);
+}
 
 /* The owner's pop of b, the head of s's free list (h = s->head): the list moves on, the
  * count goes up, the block is marked handed out. */
@@ -264,7 +269,7 @@ sp_tcache_push_(sp_tcache_span *s, sp_tcache_block *b, uintptr_t tag) {
     uintptr_t h = s->head;
     b->next = sp_tcache_list_(h);
     b->tag = tag;
-    h = (h & ~(SP_TCACHE_COUNT_ONE - 1)) - SP_TCACHE_COUNT_ONE + (uintptr_t)b;
+    h = sp_tcache_count_bits_(h) - SP_TCACHE_COUNT_ONE + (uintptr_t)b;
     __atomic_store_n(&s->head, h, __ATOMIC_RELAXED);
     return h < SP_TCACHE_COUNT_ONE;
 }

@@ -54,8 +54,7 @@ static uint32_t class_align(uint32_t bs) {
 
 /* Offset of the first block of class size bs in a span whose header ends at header_end. */
 static uint32_t class_start(uint32_t bs, uint32_t header_end) {
-    uint32_t align = class_align(bs);
-    return (header_end + align - 1) & ~(align - 1);
+    return (uint32_t)sp_align_up(header_end, class_align(bs));
 }
 
 static void classes_init(uint32_t max_class) {
@@ -133,7 +132,7 @@ TRACK_INTERNAL uint32_t span_collect(span *s, cache *c) {
         tail->next = sp_tcache_list_(h);
     }
     SP_INVARIANT(n <= span_used(s), "span_collect", s);
-    h = (h & ~(SP_TCACHE_COUNT_ONE - 1)) - n * SP_TCACHE_COUNT_ONE + (uintptr_t)list;
+    h = sp_tcache_count_bits_(h) - n * SP_TCACHE_COUNT_ONE + (uintptr_t)list;
     __atomic_store_n(&s->pub.head, h, __ATOMIC_RELAXED);
     if (c)
         __atomic_store_n(&c->remote_collected, c->remote_collected + n, __ATOMIC_RELAXED);
@@ -573,7 +572,7 @@ TRACK_INTERNAL static void block_free_remote(cache *c, span *s, sp_tcache_block 
     uintptr_t old = atomic_load_explicit(&s->inbox, memory_order_relaxed), next;
     do {
         b->next = sp_tcache_list_(old);
-        next = (uintptr_t)b | ((old & ~(SP_TCACHE_COUNT_ONE - 1)) + SP_TCACHE_COUNT_ONE);
+        next = (uintptr_t)b | (sp_tcache_count_bits_(old) + SP_TCACHE_COUNT_ONE);
     } while (!atomic_compare_exchange_weak_explicit(&s->inbox, &old, next, memory_order_release,
                                                     memory_order_relaxed));
     if (c && c != &unattached)

@@ -58,7 +58,7 @@ SP_INLINE sp_tcache_block *span_free(const span *s) {
     return sp_tcache_list_(s->pub.head);
 }
 SP_INLINE void span_free_set(span *s, sp_tcache_block *list) {
-    uintptr_t h = (s->pub.head & ~(SP_TCACHE_COUNT_ONE - 1)) | (uintptr_t)list;
+    uintptr_t h = sp_tcache_count_bits_(s->pub.head) | (uintptr_t)list;
     __atomic_store_n(&s->pub.head, h, __ATOMIC_RELAXED);
 }
 

@@ -19,18 +19,17 @@ static uint64_t jobs_run(void) {
     return js.jobs_run;
 }
 
-/* Between frames on the main thread with no job live. Asked once by between_frames, which
- * then lets the heap's own call through (`compact_gate`); asked by the heap for a direct
- * sp_handle_compact call. */
+/* Between frames with no job live; its callers have checked for the main thread. Asked once
+ * by between_frames, which then lets the heap's own call through (`compact_gate`); asked by
+ * the heap for a direct sp_handle_compact call. */
 static bool may_compact_now(void) {
-    return rt_up() && !sp_rt.in_frame && sp_thread_os_id() == sp_rt.main_thread &&
-           sp_jobs_idle(sp_rt.jobs);
+    return rt_up() && !sp_rt.in_frame && sp_jobs_idle(sp_rt.jobs);
 }
 
 bool rt_may_compact(void *user) {
     (void)user;
     /* The main thread first: a call from another thread never gets through the gate. */
-    return sp_thread_os_id() == sp_rt.main_thread && (sp_rt.compact_gate || may_compact_now());
+    return rt_main && (sp_rt.compact_gate || may_compact_now());
 }
 
 sp_result sp_frame_begin(void) {

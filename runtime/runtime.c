@@ -25,6 +25,7 @@ sp_runtime_globals sp_runtime_g;
  * calls that run on the thread itself and never across a fiber switch. */
 static _Thread_local bool tls_qsbr;
 static _Thread_local bool tls_attached;
+_Thread_local bool rt_main;
 static _Thread_local bool tls_offline; /* an attached thread between sp_thread_offline/_online */
 static _Thread_local uint64_t tls_trim_epoch; /* the last frame end this thread trimmed after */
 
@@ -43,7 +44,7 @@ bool rt_is_up(const char *call) {
 
 sp_result rt_main_only(const char *call) {
     if (!rt_is_up(call)) return SP_ERR_SHUTDOWN;
-    if (SP_LIKELY(sp_thread_os_id() == sp_rt.main_thread)) return SP_OK;
+    if (SP_LIKELY(rt_main)) return SP_OK;
     sp_log(SP_LOG_ERROR, SP_ERR_INVALID_ARG, call, NULL,
            "must be called on the main thread (the one that called sp_init)");
     return SP_ERR_INVALID_ARG;
@@ -404,7 +405,7 @@ sp_result sp_init(const sp_desc *desc) {
     sp_rt.failure = NULL;
     sp_result r = desc_fill(desc, &sp_rt.desc);
     if (r != SP_OK) return r;
-    sp_rt.main_thread = sp_thread_os_id();
+    rt_main = true;
     for (int i = 0; i < SUBSYSTEMS; i++) {
         r = subsystems[i].start();
         if (r != SP_OK) {
@@ -414,7 +415,7 @@ sp_result sp_init(const sp_desc *desc) {
                    "started before it",
                    subsystems[i].name, sp_result_name(r), i);
             stop_from(i); /* a subsystem that failed part-way has cleaned up after itself */
-            sp_rt.main_thread = 0;
+            rt_main = false;
             return r;
         }
     }
@@ -457,7 +458,7 @@ sp_result sp_shutdown(void) {
     }
     __atomic_store_n(&sp_rt.up, false, __ATOMIC_RELEASE);
     stop_from(SUBSYSTEMS);
-    sp_rt.main_thread = 0;
+    rt_main = false;
     return r == SP_ERR_STALLED ? r : SP_OK;
 }
 
@@ -471,14 +472,13 @@ sp_result sp_thread_attach(void) {
         return SP_ERR_INVALID_ARG;
     }
     /* Counted first, then `stopping` read (see runtime.stopping): past this, sp_shutdown
-     * refuses, so the runtime's state (main_thread, the caches) stays put under us. */
+     * refuses, so the runtime's state (the caches) stays put under us. */
     atomic_fetch_add(&sp_rt.attached, 1);
     sp_result r = SP_OK;
     if (atomic_load(&sp_rt.stopping)) {
         r = SP_ERR_SHUTDOWN;
         sp_log(SP_LOG_ERROR, r, "sp_thread_attach", NULL, "sp_shutdown is running");
-    } else if (sp_jobs_worker_id() != SP_JOBS_NOT_A_WORKER ||
-               sp_thread_os_id() == sp_rt.main_thread) {
+    } else if (sp_jobs_worker_id() != SP_JOBS_NOT_A_WORKER || rt_main) {
         r = SP_ERR_INVALID_ARG;
         sp_log(SP_LOG_ERROR, r, "sp_thread_attach", NULL,
                "workers and the main thread are attached by the runtime");

@@ -28,9 +28,8 @@ typedef struct retired {
 
 typedef struct runtime {
     bool up;
-    uint64_t main_thread; /* sp_thread_os_id of the thread that called sp_init */
-    const char *failure;  /* subsystem whose start failed in the last sp_init */
-    sp_desc desc;         /* with the defaults filled in */
+    const char *failure; /* subsystem whose start failed in the last sp_init */
+    sp_desc desc;        /* with the defaults filled in */
 
     /* The reservation and its regions ([SP_REGION_NONE] unused). */
     char *base;
@@ -77,6 +76,9 @@ typedef struct runtime {
 } runtime;
 
 SP_HIDDEN extern runtime sp_rt;
+/* True on the thread that called sp_init, until sp_shutdown (a thread-local: the main-thread
+ * checks of every frame call cost no system call). */
+SP_HIDDEN extern _Thread_local bool rt_main;
 
 /* SP_OK on the main thread of a running runtime; otherwise logs `call` and returns
  * SP_ERR_SHUTDOWN (not running) or SP_ERR_INVALID_ARG (another thread). */
