@@ -120,7 +120,7 @@ typedef struct sp_frame_buffer_status {
 /* Create an arena (desc NULL: all defaults). Any thread. Cost: a small malloc'd record, a
  * reservation unless given, an mprotect of the buffers. Returns the arena, or NULL with *err
  * (if err is not NULL) set: SP_ERR_INVALID_ARG (misuse: more than 4 buffers, a region not
- * page-aligned or without a size, a buffer above 4 TiB or of more than 2^19 chunks, an unknown
+ * page-aligned or without a size, a buffer above 4 TiB or of 2^19 chunks or more, an unknown
  * overflow mode, a heap_alloc without heap_free or the other way round), SP_ERR_TOO_SMALL
  * (misuse: a buffer smaller than one chunk), SP_ERR_NOMEM, SP_ERR_OS (reserve or commit). */
 sp_frame_arena *sp_frame_arena_create(const sp_frame_desc *desc, sp_result *err);
@@ -135,7 +135,7 @@ void sp_frame_arena_destroy(sp_frame_arena *a);
  *   no bytes (it may equal the next allocation's). Any thread, any fiber.
  * void *sp_frame_aligned_alloc(sp_frame_arena *a, size_t align, size_t size)
  *   the same with any power-of-two alignment (the block's end is padded to 16).
- * Cost: inline, a thread-pointer read, a compare and a bump (bench `frame/alloc`:
+ * Cost: inline, a thread-pointer read, two compares and a bump (bench `frame/alloc`:
  * bench/README.md has the figures, against tcache and mimalloc in the same run); the
  * out-of-line rest (sp_frame_alloc_generic) takes a chunk (three atomics) or a direct range (a
  * CAS loop).

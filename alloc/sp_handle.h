@@ -7,12 +7,13 @@
  * heap within a time budget and resumes where it stopped on the next call; pinned blocks stay
  * where they are and compaction flows around them.
  *
- * Handles. id = generation << index_bits | slot index, index_bits = ceil(log2(max_handles));
+ * Handles. id = generation << index_bits | slot index,
+ * index_bits = max(6, ceil(log2(max_handles)));
  * the generation takes the remaining bits and starts at 1, so id 0 is never valid. Freeing
  * bumps the slot's generation; a slot whose generation would wrap is retired for good (never
  * reused), so every stale handle is detected forever. Freed slots are reused first in, first
  * out, which spreads generations over all slots: with the default 2^20 handles (12 generation
- * bits) a slot is retired after 4,095 reuses. 32 bits suffice: the table is the bound.
+ * bits) a slot is retired after 4,095 uses. 32 bits suffice: the table is the bound.
  *
  * Layout. One contiguous committed range growing at the top: every block (live or free) has a
  * 16-byte header (size, predecessor's size, owning handle id, pin count); free holes sit in
@@ -207,8 +208,9 @@ size_t sp_handle_size(sp_handle_heap *h, sp_handle x);
  * Afterwards, if 50 us of the budget are left, or the pass finished (it may then overrun by
  * 5% of the budget), or there is no budget, committed memory more than max(16 KiB, used/64)
  * above the top is decommitted down to used/128 (in 16 KiB steps), at most 40 bytes per ns of
- * budget left (2 MiB per 50 us).
- * Cost: steps 1-5 move about the hole's size (a few blocks); step 6 moves everything up to the
+ * budget left (about 2 MB per 50 us; 40 bytes per ns is a set cap, not a measured rate).
+ * Cost: step 1 moves at most 4x the hole + 4 KiB, steps 2-4 at most the hole's size, step 5
+ * two blocks larger than the hole; step 6 moves everything up to the
  * next hole, up to the heap's size per call when small holes sit below only larger blocks.
  * Returns SP_OK (out, if non-NULL, filled); SP_ERR_BUSY (misuse: may_compact said no, or
  * called from a relocation callback; nothing changes). */

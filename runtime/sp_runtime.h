@@ -84,7 +84,7 @@ typedef struct sp_desc {
     size_t frame_size;      /* bytes per frame buffer (0: physical memory / 64, 16 .. 256 MiB) */
     uint32_t frame_buffers; /* 0: 2; at most 4. Frame i uses buffer i mod N; its data lives
                                through frame i + N - 1 */
-    size_t frame_chunk;     /* per-worker chunk of a buffer (0: the arena's default) */
+    size_t frame_chunk;     /* per-thread chunk of a buffer (0: the arena's default) */
     sp_frame_overflow frame_overflow; /* a full buffer: NULL (default) or the central heap */
     size_t handle_size;         /* handle heap region (0: physical memory / 8, 64 MiB .. 4 GiB) */
     uint32_t max_handles;       /* 0: the handle heap's default */
@@ -205,7 +205,8 @@ void sp_status_get(sp_status *out);
 sp_region sp_region_of(const void *p);
 
 /* size bytes, aligned to align (a power of two up to 4096; 0: 16), living until sp_shutdown.
- * Lock-free (one CAS), commits pages as it grows. NULL (logged) when the region is full, on
+ * A CAS loop; growing past the committed part takes a mutex and commits 2 MiB steps. NULL
+ * (logged) when the region is full, on
  * a bad alignment or before init. */
 void *sp_persistent_alloc(size_t size, size_t align);
 
