@@ -238,7 +238,8 @@ TRACK_INTERNAL sp_result sp_handle_free(sp_handle_heap *h, sp_handle x) {
     track_enter();
     sp_mutex_lock(&h->lock);
     uint32_t i = id_index(h, x.id);
-    if (i >= h->slots_used || slot_id(slot_at(h, i)) != x.id) {
+    sp_handle_slot *s = slot_live(h, x.id);
+    if (!s) {
         bool twice = i < h->slots_used && h->cold[i].last_id == x.id;
         sp_mutex_unlock(&h->lock);
         track_leave();
@@ -246,7 +247,6 @@ TRACK_INTERNAL sp_result sp_handle_free(sp_handle_heap *h, sp_handle x) {
                          (void *)(uintptr_t)x.id, "handle 0x%x %s", x.id,
                          twice ? "was freed already" : "is stale or forged");
     }
-    sp_handle_slot *s = slot_at(h, i);
     void *p = slot_ptr(h, s);
     hblk *b = blk_of(p);
     uint32_t pins = b->pins;
@@ -308,8 +308,7 @@ TRACK_INTERNAL sp_result sp_handle_unpin(sp_handle_heap *h, sp_handle x) {
 size_t sp_handle_size(sp_handle_heap *h, sp_handle x) {
     if (!h) return 0;
     bool locked = heap_lock(h);
-    uint32_t i = id_index(h, x.id);
-    size_t n = x.id && i < h->slots_used && slot_id(slot_at(h, i)) == x.id ? h->cold[i].size : 0;
+    size_t n = slot_live(h, x.id) ? h->cold[id_index(h, x.id)].size : 0;
     heap_unlock(h, locked);
     return n;
 }

@@ -166,6 +166,14 @@ SP_INLINE uint32_t slot_id(const sp_handle_slot *s) {
 SP_INLINE void *slot_ptr(const sp_handle_heap *h, const sp_handle_slot *s) {
     return h->base + ((__atomic_load_n(&s->word, __ATOMIC_RELAXED) >> 32) << HUNIT_SHIFT);
 }
+/* The live slot of handle id, or NULL (stale, forged or freed; id 0 too: a free slot holds
+ * the complement of its index, a live one an id of generation >= 1). Heap lock held. */
+SP_INLINE sp_handle_slot *slot_live(const sp_handle_heap *h, uint32_t id) {
+    uint32_t i = id_index(h, id);
+    if (i >= h->slots_used) return NULL;
+    sp_handle_slot *s = slot_at(h, i);
+    return slot_id(s) == id ? s : NULL;
+}
 /* Publish id and payload p in one store (release: the block's header is written before). */
 SP_INLINE void slot_set(const sp_handle_heap *h, sp_handle_slot *s, uint32_t id, const void *p) {
     uint64_t off = (uint64_t)((const char *)p - h->base) >> HUNIT_SHIFT;
