@@ -132,14 +132,21 @@ sp_result sp_frame_stats_last(sp_frame_stats *out) {
     return SP_OK;
 }
 
+/* The index of the registered work (fn, user), or between_count if there is none. */
+static uint32_t between_find(sp_between_fn fn, void *user) {
+    uint32_t i = 0;
+    while (i < sp_rt.between_count && (sp_rt.between[i].fn != fn || sp_rt.between[i].user != user))
+        i++;
+    return i;
+}
+
 sp_result sp_between_frames_add(const char *name, sp_between_fn fn, void *user) {
     sp_result r = rt_main_only("sp_between_frames_add");
     if (r != SP_OK) return r;
     if (!fn) return sp_misuse(SP_ERR_INVALID_ARG, "sp_between_frames_add", NULL, "fn is NULL");
-    for (uint32_t i = 0; i < sp_rt.between_count; i++)
-        if (sp_rt.between[i].fn == fn && sp_rt.between[i].user == user)
-            return sp_misuse(SP_ERR_INVALID_ARG, "sp_between_frames_add", user,
-                             "'%s' is registered already", name ? name : "(unnamed)");
+    if (between_find(fn, user) < sp_rt.between_count)
+        return sp_misuse(SP_ERR_INVALID_ARG, "sp_between_frames_add", user,
+                         "'%s' is registered already", name ? name : "(unnamed)");
     if (sp_rt.between_count == BETWEEN_MAX) {
         sp_log(SP_LOG_ERROR, SP_ERR_LIMIT, "sp_between_frames_add", user,
                "%d between-frames works registered already", BETWEEN_MAX);
@@ -152,14 +159,12 @@ sp_result sp_between_frames_add(const char *name, sp_between_fn fn, void *user) 
 sp_result sp_between_frames_remove(sp_between_fn fn, void *user) {
     sp_result r = rt_main_only("sp_between_frames_remove");
     if (r != SP_OK) return r;
-    for (uint32_t i = 0; i < sp_rt.between_count; i++) {
-        if (sp_rt.between[i].fn == fn && sp_rt.between[i].user == user) {
-            memmove(&sp_rt.between[i], &sp_rt.between[i + 1],
-                    (sp_rt.between_count - i - 1) * sizeof sp_rt.between[0]);
-            sp_rt.between_count--;
-            return SP_OK;
-        }
-    }
-    return sp_misuse(SP_ERR_INVALID_ARG, "sp_between_frames_remove", user,
-                     "no such between-frames work");
+    uint32_t i = between_find(fn, user);
+    if (i == sp_rt.between_count)
+        return sp_misuse(SP_ERR_INVALID_ARG, "sp_between_frames_remove", user,
+                         "no such between-frames work");
+    memmove(&sp_rt.between[i], &sp_rt.between[i + 1],
+            (sp_rt.between_count - i - 1) * sizeof sp_rt.between[0]);
+    sp_rt.between_count--;
+    return SP_OK;
 }
