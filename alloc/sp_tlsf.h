@@ -53,7 +53,7 @@ typedef struct sp_tlsf_status {
     size_t bytes_free;     /* payload bytes of free blocks */
     size_t bytes_overhead; /* headers, control structure, pool ends */
     size_t largest_free;   /* payload of the largest free block: exact when free space is in
-                              one block per size class at the top; otherwise at most 1/32
+                              one block per size class at the top; otherwise at most 1/64
                               (one second-level class) below the true largest. A request of
                               this size succeeds. */
     size_t live_blocks;

@@ -29,11 +29,11 @@
 
 /* ---- geometry ------------------------------------------------------------------------------
  * Sizes below SMALL_LIMIT map linearly (fl 0, one class per 16 bytes). Above, fl is the bit
- * length and sl splits each power of two into SL_COUNT classes: at most 1/32 slack. */
+ * length and sl splits each power of two into SL_COUNT classes: at most 1/64 slack. */
 enum {
     ALIGN_LOG2 = 4,
     ALIGN = 1 << ALIGN_LOG2,
-    SL_LOG2 = 5,
+    SL_LOG2 = 6,
     SL_COUNT = 1 << SL_LOG2,
     FL_SHIFT = SL_LOG2 + ALIGN_LOG2,
     SMALL_LIMIT = 1 << FL_SHIFT,
@@ -68,7 +68,7 @@ typedef struct pool_range {
 
 struct sp_tlsf {
     uint32_t fl_bitmap;
-    uint32_t sl_bitmap[FL_COUNT];
+    uint64_t sl_bitmap[FL_COUNT];
     block *heads[FL_COUNT][SL_COUNT];
     block scratch; /* takes the back link pushed onto an empty list */
 
@@ -192,7 +192,7 @@ TRACK_INTERNAL SP_INLINE void list_push(sp_tlsf *t, block *b, unsigned fl, unsig
     (head ? head : &t->scratch)->prev_free = b;
     t->heads[fl][sl] = b;
     t->fl_bitmap |= 1u << fl;
-    t->sl_bitmap[fl] |= 1u << sl;
+    t->sl_bitmap[fl] |= (uint64_t)1 << sl;
 }
 
 /* Pop b, the head of list (fl, sl). Reads only b's own links. */
@@ -200,7 +200,7 @@ TRACK_INTERNAL SP_INLINE void list_pop(sp_tlsf *t, block *b, unsigned fl, unsign
     block *next = b->next_free;
     t->heads[fl][sl] = next;
     /* Branch-free: whether the list empties is a coin toss. */
-    uint32_t sl_map = t->sl_bitmap[fl] & ~((uint32_t)(next == NULL) << sl);
+    uint64_t sl_map = t->sl_bitmap[fl] & ~((uint64_t)(next == NULL) << sl);
     t->sl_bitmap[fl] = sl_map;
     t->fl_bitmap &= ~((uint32_t)(sl_map == 0) << fl);
 }
@@ -249,7 +249,7 @@ TRACK_INTERNAL SP_INLINE block *list_find(sp_tlsf *t, size_t size, unsigned *fl_
     unsigned fl, sl;
     mapping_search(size, &fl, &sl);
     if (SP_LIKELY(fl < FL_COUNT)) {
-        uint32_t sl_map = t->sl_bitmap[fl] & (~0u << sl);
+        uint64_t sl_map = t->sl_bitmap[fl] & (~(uint64_t)0 << sl);
         if (!sl_map) {
             uint32_t fl_map = fl + 1 < 32 ? t->fl_bitmap & (~0u << (fl + 1)) : 0;
             if (fl_map) {
@@ -259,7 +259,7 @@ TRACK_INTERNAL SP_INLINE block *list_find(sp_tlsf *t, size_t size, unsigned *fl_
         }
         if (sl_map) {
             *fl_out = fl;
-            *sl_out = (unsigned)__builtin_ctz(sl_map);
+            *sl_out = (unsigned)__builtin_ctzll(sl_map);
             return t->heads[fl][*sl_out];
         }
     }
@@ -317,6 +317,9 @@ TRACK_INTERNAL SP_INLINE void *block_use(sp_tlsf *t, block *b, size_t want) {
 TRACK_INTERNAL SP_INLINE void block_release(sp_tlsf *t, block *b) {
     uint64_t sf = b->size_flags;
     size_t size = sf & SIZE_MASK;
+    /* The predecessor's header is needed when it is free (a coin toss), and then only after
+     * the successor's: ask for its line now, so that the two misses overlap. */
+    __builtin_prefetch(block_prev(b), 1);
     block *next = block_next(b);
     uint64_t next_sf = next->size_flags;
     if (t->bytes_used > t->high_water) t->high_water = t->bytes_used;
@@ -767,7 +770,7 @@ TRACK_INTERNAL sp_result sp_tlsf_check(sp_tlsf *t) {
               "first-level bitmap bit %u disagrees with second level", fl);
         for (unsigned sl = 0; sl < SL_COUNT; sl++) {
             block *head = t->heads[fl][sl];
-            CHECK(!!(t->sl_bitmap[fl] & (1u << sl)) == !!head, &t->heads[fl][sl],
+            CHECK(!!(t->sl_bitmap[fl] & ((uint64_t)1 << sl)) == !!head, &t->heads[fl][sl],
                   "bitmap bit (%u,%u) disagrees with its list", fl, sl);
             for (block *b = head, *prev = NULL; b; prev = b, b = b->next_free) {
                 CHECK(++listed <= free_count, b, "free lists hold more blocks than the pools");
