@@ -3,9 +3,9 @@
  * Names: frame/CASE/WHO/PARAM.
  *
  *   alloc     frame-style allocation from jobs: per frame, each worker thread runs one job
- *             (pinned to it) that makes 1,024 allocations of 16..256 bytes (a seeded table,
- *             the same every frame) and stores each pointer in its frame's slot array, writing
- *             one word into the block. WHO:
+ *             (pinned to it) that makes N allocations of 16..256 bytes (a seeded table, the
+ *             same every frame; N = 1,024 and 4,096, the PARAM allocs:N) and stores each
+ *             pointer in its frame's slot array, writing one word into the block. WHO:
  *               arena     sp_frame_alloc; nothing is freed; after each frame the main thread
  *                         calls sp_frame_arena_advance (which reclaims the buffer of two
  *                         frames ago): its time is charged in full to every thread
@@ -19,8 +19,12 @@
  *             scheduler with no worker threads (jobs run on the main thread in its waits);
  *             workers:2 = the main thread plus one worker, one job pinned to each; the two
  *             jobs meet at a spin barrier before their timed part so that wake-up latency is
- *             not timed. 1,024 frames per sample after 16 untimed warm-up frames. A frame's blocks take
- *             about 140 KB per thread, so the two live frames stay in the L2 cache.
+ *             not timed. 2^20 allocations per thread per sample (1,024 or 256 frames) after 16
+ *             untimed warm-up frames. A frame's blocks take about 140 KB (N = 1,024) or 560 KB
+ *             (4,096) per thread, so the two live frames stay in the thread's L2 cache (2 MiB
+ *             here). Each frame costs a few cross-core cache-line transfers whatever the
+ *             allocator (the frame flip, the harness's own frame number): a fixed cost that
+ *             N = 4,096 spreads over four times the allocations.
  *   reset     arena only: fill the current buffer with N allocations of 16..256 bytes from
  *             the main thread, advance once (reclaims the other, empty buffer), then time the
  *             advance that reclaims the full one (sp_ticks around the one call). N = 1,000,
@@ -44,19 +48,18 @@
 enum { MAX_WORKERS = 2 };
 
 static struct {
-    uint32_t frame_allocs; /* per thread per frame */
-    int64_t frames;
+    int64_t sample_allocs; /* per thread per sample: frames = sample_allocs / allocs per frame */
     int64_t warm_frames;
     int64_t resets_small, resets_large; /* reclaims timed per sample (N <= 100,000 / above) */
     bool smoke;
-} cfg = {1024, 1024, 16, 2000, 20, false};
+} cfg = {1 << 20, 16, 2000, 20, false};
 
 typedef enum who { ARENA, TCACHE, PROCESS } who;
 
 typedef struct bench_arg {
     who w;
     uint32_t workers; /* alloc */
-    uint32_t n;       /* reset */
+    uint32_t n;       /* allocations per thread per frame (alloc), per buffer (reset) */
 } bench_arg;
 
 /* ---- alloc ------------------------------------------------------------------------------ */
@@ -121,7 +124,8 @@ static void alloc_job(void *arg) {
 
 static void run_alloc(bench_state *st, const void *varg) {
     const bench_arg *a = varg;
-    uint32_t W = a->workers, n = cfg.frame_allocs;
+    uint32_t W = a->workers, n = a->n;
+    int64_t frames = cfg.sample_allocs / n > 1 ? cfg.sample_allocs / n : 1;
     sp_jobs *s = NULL;
     sp_jobs_desc jd =
         W == 1 ? (sp_jobs_desc){.no_workers = true} : (sp_jobs_desc){.workers = W - 1};
@@ -187,9 +191,9 @@ static void run_alloc(bench_state *st, const void *varg) {
     for (int64_t f = 0; good && f < cfg.warm_frames; f++) FRAME_RUN(false);
     for (uint32_t t = 0; t < W; t++) x[t].ns = 0;
     int64_t timed_frames = 0;
-    while (bench_keep_running_batch(st, cfg.frames)) {
-        for (int64_t f = 0; good && f < cfg.frames; f++) FRAME_RUN(true);
-        timed_frames += cfg.frames;
+    while (bench_keep_running_batch(st, frames)) {
+        for (int64_t f = 0; good && f < frames; f++) FRAME_RUN(true);
+        timed_frames += frames;
     }
 #undef FRAME_RUN
     double allocs = (double)timed_frames * n, per = 0;
@@ -258,28 +262,31 @@ int main(int argc, char **argv) {
     const char *env = getenv("BENCH_SMOKE");
     cfg.smoke = bench_take_flag(&argc, argv, "--smoke") || (env && env[0] && env[0] != '0');
     if (cfg.smoke) {
-        cfg.frame_allocs = 256;
-        cfg.frames = 2;
+        cfg.sample_allocs = 0; /* one frame */
         cfg.warm_frames = 1;
         cfg.resets_small = 2;
         cfg.resets_large = 1;
     }
     if (!process_malloc_verify()) return 1;
-    static bench_arg args[3][MAX_WORKERS], resets[3];
-    static char names[3][MAX_WORKERS][64], reset_names[3][64];
+    static const uint32_t frame_n[2] = {1024, 4096};
+    static bench_arg args[2][3][MAX_WORKERS], resets[3];
+    static char names[2][3][MAX_WORKERS][64], reset_names[3][64];
 #if defined(BENCH_PEER_GLIBC)
     int first = ARENA;
 #else
     int first = PROCESS; /* peer binaries: the peer only */
 #endif
     static const char *who_name[] = {"arena", "tcache", PEER_NAME};
-    for (uint32_t w = 1; w <= MAX_WORKERS; w++)
-        for (int k = first; k <= PROCESS; k++) {
-            args[k][w - 1] = (bench_arg){.w = (who)k, .workers = w};
-            snprintf(names[k][w - 1], sizeof names[k][w - 1], "frame/alloc/%s/workers:%u",
-                     who_name[k], w);
-            bench_register(names[k][w - 1], run_alloc, &args[k][w - 1], 1);
-        }
+    for (int f = 0; f < 2; f++)
+        for (uint32_t w = 1; w <= MAX_WORKERS; w++)
+            for (int k = first; k <= PROCESS; k++) {
+                bench_arg *arg = &args[f][k][w - 1];
+                *arg = (bench_arg){.w = (who)k, .workers = w,
+                                   .n = cfg.smoke ? frame_n[f] / 4 : frame_n[f]};
+                snprintf(names[f][k][w - 1], sizeof names[f][k][w - 1],
+                         "frame/alloc/%s/workers:%u/allocs:%u", who_name[k], w, frame_n[f]);
+                bench_register(names[f][k][w - 1], run_alloc, arg, 1);
+            }
 #if defined(BENCH_PEER_GLIBC)
     static const uint32_t reset_n[3] = {1000, 100000, 1000000};
     for (int i = 0; i < 3; i++) {
