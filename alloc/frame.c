@@ -9,23 +9,38 @@
 #include "sp_internal.h"
 #include "track.h"
 
-/* A buffer is cut into `chunks` equal chunks, claimed bottom-up, and direct ranges taken
- * top-down. Its bump state is one 64-bit word: lo, the chunk index below which chunks may be
- * claimed, in the low LO_BITS; hi, the byte offset where the direct ranges begin, above. A
- * claimed chunk has its bit set in the buffer's bitmap: the bit decides who owns a chunk.
- * A thread first asks for the chunk it had at the same place in its claim order N frames ago
- * (memory its own core's cache last wrote: threads do not trade cache lines across frames),
- * which raises lo past it; otherwise the bump hands out lo and moves it up, skipping chunks
- * whose bit is set.
- * Invariants: lo * chunk_size <= hi, except for fresh claims racing past the end (refused,
- * and lo <= chunks + threads < 2^LO_BITS); every chunk handed out lies below lo; every direct
- * range lies at or above hi. So chunks and direct ranges never overlap, and a chunk below lo
- * that nobody claims this frame is lost until the reclaim (a thread that stopped using it). */
+/* A buffer is cut into `chunks` equal chunks for the threads' bump allocation; direct ranges
+ * are taken from its top down.
+ *
+ * A thread first asks for the chunks it had in the buffer's previous frame, in the same order
+ * (memory its own core wrote last: threads do not trade cache lines across frames), and gets
+ * them without touching anything shared. What makes that safe: each thread keeps the list of
+ * its claims in a claim record of its own (a line per thread and buffer); when the buffer
+ * closes, `reserved` becomes one past the highest chunk on the records of that frame, and the
+ * chunks below it that no record kept become the buffer's holes. When the buffer comes round,
+ * a chunk below reserved goes only to the thread whose record asks for it: those records,
+ * written in the buffer's previous frame, are disjoint (each chunk had one owner then). Every
+ * other claim is fresh: one atomic add on the bump word, whose lo counts fresh claims: the
+ * first hole_count of them take the holes, the rest the chunks from reserved up. A record
+ * entry at or above reserved, a record older than the buffer's previous frame, or a thread
+ * without a record (RECORDS per buffer) takes a fresh chunk too.
+ *
+ * The bump word: lo in the low LO_BITS; hi, the byte offset where the direct ranges begin,
+ * above. The chunks that may be in use lie below floor = reserved + max(0, lo - hole_count).
+ * Invariants: floor * chunk_size <= hi, except for fresh claims racing past the end (refused,
+ * and lo <= chunks + threads < 2^LO_BITS); every direct range lies at or above hi. So chunks
+ * and direct ranges never overlap; a reserved chunk whose thread does not come back for it is
+ * lost until the reclaim (a hole the next time round). More than MAX_HOLES holes: the next
+ * round reserves nothing (every claim fresh; the records' lists then refill). A thread holds
+ * one record index per arena for the arena's life: the first RECORDS threads to claim get
+ * one. */
 #define LO_BITS 20
 #define LO_MASK ((UINT64_C(1) << LO_BITS) - 1)
 #define MAX_CAPACITY ((size_t)1 << 42)
 #define MAX_CHUNKS ((size_t)1 << 19)
-#define STICKY 8 /* chunks a thread remembers per arena slot and buffer */
+#define STICKY 8     /* chunks a record keeps (asked for again) */
+#define RECORDS 64   /* claim records per buffer; threads beyond count on the bump word's line */
+#define MAX_HOLES 512 /* per buffer */
 #define MIN_CHUNK ((size_t)1024)
 #define POISON_BYTE 0xFD
 
@@ -36,29 +51,46 @@ typedef struct heap_block {
 } heap_block;
 
 typedef struct frame_buffer {
+    /* The fresh claims' line: the bump word, and what the close decided for this round. */
     _Alignas(64) uint64_t word; /* atomic: lo | hi << LO_BITS (see above) */
-    size_t claimed;             /* atomic: chunks claimed in the buffer's frame (kept after its
-                                   close, when the bits are cleared) */
+    size_t unrecorded;          /* atomic: chunks claimed by threads without a claim record */
+    uint32_t reserved, hole_count;
+    uint32_t *holes; /* MAX_HOLES */
     /* Written atomically by allocating threads, only when the buffer ran out. */
     _Alignas(64) heap_block *heap; /* Treiber stack, pushed by overflows, walked by reclaim */
     size_t overflows, overflow_bytes;
     /* Owned by the advancing thread. */
     uint64_t frame;
     size_t peak;
+    size_t claimed; /* chunks its last frame claimed, counted at close (atomic: status) */
+    size_t floor;   /* chunk_floor at its close: the chunks its frame may have used */
     char *base;
-    uint64_t *bits; /* atomic words, one bit per chunk: claimed in the open frame (cleared at
-                       the buffer's close) */
 } frame_buffer;
 
+/* One thread's claims in one buffer, on a line of its own: written by that thread (atomically:
+ * status may read it meanwhile), read when the buffer closes. */
+typedef struct claim_record {
+    _Alignas(64) uint64_t frame; /* the frame of the claims below */
+    uint32_t claimed;            /* chunks claimed in it, kept or not */
+    uint32_t kept;               /* entries of index: the first claims, in order */
+    uint32_t replay;             /* entries of the buffer's previous frame to ask for (owner) */
+    uint32_t index[STICKY];
+} claim_record;
+
 struct sp_frame_arena {
-    sp_frame_hot_ hot; /* first: read by the inline paths */
-    uint32_t buffers, current;
+    /* One line, written only by advance: everything a chunk claim reads of the arena that ever
+     * changes (the rest it reads is read-only after create). */
+    sp_frame_hot_ hot;     /* first: read by the inline paths */
+    uint32_t current;      /* buffer of the open frame */
+    uint32_t cur_reserved; /* its reserved */
     uint64_t frame;
-    size_t capacity; /* bytes per buffer, page-aligned */
     size_t chunk_size;
-    size_t chunks;    /* per buffer: capacity / chunk_size */
-    size_t bit_words; /* per buffer */
-    uint64_t id;      /* unique across arenas: tags the threads' sticky lists */
+    char *cur_base; /* its base */
+    uint32_t buffers;
+    /* Read-only after create. */
+    _Alignas(64) size_t capacity; /* bytes per buffer, page-aligned */
+    size_t chunks;                /* per buffer: capacity / chunk_size */
+    uint64_t id;                  /* unique across arenas: tags the threads' record indices */
     sp_frame_overflow overflow;
     void *(*heap_alloc)(void *user, size_t align, size_t size);
     void (*heap_free)(void *user, void *p);
@@ -66,23 +98,27 @@ struct sp_frame_arena {
     char *region;
     size_t committed; /* bytes of region committed at create (decommitted/released at destroy) */
     bool own;         /* we reserved the region */
+    uint64_t *marks; /* chunks bits: scratch of the close */
+    /* Written when a thread takes a record index (its first claim in the arena). */
+    _Alignas(64) uint32_t records_used;  /* atomic: indices taken, at most RECORDS */
+    uint64_t record_owner[RECORDS];      /* atomic: the thread token holding each index */
     frame_buffer buf[SP_FRAME_MAX_BUFFERS];
+    claim_record records[SP_FRAME_MAX_BUFFERS][RECORDS];
 };
 _Static_assert(offsetof(struct sp_frame_arena, hot) == 0, "the inline paths read hot at a");
+_Static_assert(offsetof(struct sp_frame_arena, buffers) + sizeof(uint32_t) <= 64,
+               "what a claim reads of the arena's changing fields fits one line");
 
 _Thread_local sp_frame_chunk sp_frame_tls[SP_FRAME_SLOTS]
     __attribute__((tls_model("initial-exec")));
 
-/* The chunks a thread claimed in one buffer of one arena slot, in claim order: replayed first
- * when the buffer comes round (a steady frame loop gets its own memory back). */
-typedef struct sticky_list {
-    uint64_t arena; /* sp_frame_arena.id; another arena's list is dropped */
-    uint64_t gen;   /* frame generation the replay cursor belongs to */
-    uint32_t count, next;
-    uint32_t index[STICKY];
-} sticky_list;
-
-static _Thread_local sticky_list sticky_tls[SP_FRAME_SLOTS][SP_FRAME_MAX_BUFFERS];
+/* The calling thread's claim-record index in the arena of each slot (RECORDS: none left), and
+ * the token that marks its indices in every arena (0: none yet). */
+static _Thread_local struct {
+    uint64_t arena; /* sp_frame_arena.id */
+    uint32_t index;
+} record_tls[SP_FRAME_SLOTS];
+static _Thread_local uint64_t thread_token;
 
 static uint64_t gen_last;    /* atomic: generations handed out (0 is never one) */
 static uint32_t arenas_made; /* atomic: slot of the next arena */
@@ -111,68 +147,83 @@ static size_t word_hi(uint64_t w) {
     return (size_t)(w >> LO_BITS);
 }
 
-/* Set chunk i's bit; true if it was clear (the chunk is ours, and counted). */
-static bool bit_claim(frame_buffer *b, size_t i) {
-    uint64_t m = UINT64_C(1) << (i & 63);
-    if (__atomic_fetch_or(&b->bits[i >> 6], m, __ATOMIC_RELAXED) & m) return false;
-    __atomic_fetch_add(&b->claimed, 1, __ATOMIC_RELAXED);
-    return true;
-}
-
-/* Chunk i again, if nobody claimed it this frame and no direct range covers it: a CAS that
- * raises lo past it (a load when it is below lo already), then one atomic or (and the
- * count's atomic add, on the bump word's line). */
-static bool chunk_sticky(sp_frame_arena *a, frame_buffer *b, size_t i) {
-    if (SP_UNLIKELY(i >= a->chunks)) return false; /* lists hold this arena's claims only */
-    uint64_t w = __atomic_load_n(&b->word, __ATOMIC_RELAXED);
-    /* The hi test applies below lo too: a fresh claim refused at the end leaves lo above
-     * chunks a direct range covers (hi only comes down to lo * chunk_size). */
-    for (;;) {
-        if ((i + 1) * a->chunk_size > word_hi(w)) return false; /* a direct range took it */
-        if (word_lo(w) > i) break;
-        uint64_t nw = (w & ~LO_MASK) | (uint64_t)(i + 1);
-        if (__atomic_compare_exchange_n(&b->word, &w, nw, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
-            break;
-    }
-    return bit_claim(b, i);
-}
-
-/* The next chunk of the bump that nobody claimed: one atomic add and one atomic or, plus the
- * count (more
- * when a sticky claim got there first). A load first refuses when there is no room, which
- * keeps lo bounded. */
-static bool chunk_fresh(sp_frame_arena *a, frame_buffer *b, size_t *out) {
-    for (;;) {
-        uint64_t w = __atomic_load_n(&b->word, __ATOMIC_RELAXED);
-        if ((word_lo(w) + 1) * a->chunk_size > word_hi(w)) return false;
-        w = __atomic_fetch_add(&b->word, 1, __ATOMIC_RELAXED);
-        size_t i = word_lo(w);
-        if ((i + 1) * a->chunk_size > word_hi(w)) return false; /* another thread took the rest */
-        if (bit_claim(b, i)) {
-            *out = i;
-            return true;
+/* The calling thread's record index in a: the one it holds (a thread switching between
+ * arenas of one slot finds its own again: O(RECORDS)), else a new one, else RECORDS. */
+static uint32_t record_index(sp_frame_arena *a) {
+    if (!thread_token) thread_token = gen_take();
+    /* Relaxed: a thread looks only for its own token, which only it stores. */
+    uint32_t n = __atomic_load_n(&a->records_used, __ATOMIC_RELAXED);
+    for (uint32_t i = 0; i < n; i++)
+        if (__atomic_load_n(&a->record_owner[i], __ATOMIC_RELAXED) == thread_token) return i;
+    while (n < RECORDS)
+        if (__atomic_compare_exchange_n(&a->records_used, &n, n + 1, true, __ATOMIC_RELAXED,
+                                        __ATOMIC_RELAXED)) {
+            __atomic_store_n(&a->record_owner[n], thread_token, __ATOMIC_RELAXED);
+            return n;
         }
+    return RECORDS;
+}
+
+/* The calling thread's claim record in a's open buffer, set to this frame (its entries of the
+ * buffer's previous frame left to replay); NULL if the arena has no record left for it. */
+static claim_record *record_get(sp_frame_arena *a) {
+    if (record_tls[a->hot.slot].arena != a->id) {
+        record_tls[a->hot.slot].arena = a->id;
+        record_tls[a->hot.slot].index = record_index(a);
     }
+    uint32_t i = record_tls[a->hot.slot].index;
+    if (i == RECORDS) return NULL;
+    claim_record *r = &a->records[a->current][i];
+    uint64_t f = __atomic_load_n(&r->frame, __ATOMIC_RELAXED);
+    if (f != a->frame) {
+        r->replay = f + a->buffers == a->frame ? r->kept : 0;
+        __atomic_store_n(&r->claimed, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&r->kept, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&r->frame, a->frame, __ATOMIC_RELEASE); /* after the resets: status */
+    }
+    return r;
+}
+
+/* Chunks below which claims may lie, for the bump word w of b. */
+static size_t chunk_floor(const frame_buffer *b, uint64_t w) {
+    size_t lo = word_lo(w);
+    return b->reserved + (lo > b->hole_count ? lo - b->hole_count : 0);
+}
+
+/* A fresh chunk: one atomic add (the next hole, else the next chunk from reserved up). A load
+ * first refuses when there is no room, which keeps lo bounded. */
+static bool chunk_fresh(sp_frame_arena *a, frame_buffer *b, size_t *out) {
+    uint64_t w = __atomic_load_n(&b->word, __ATOMIC_RELAXED);
+    if (word_lo(w) >= b->hole_count && (chunk_floor(b, w) + 1) * a->chunk_size > word_hi(w))
+        return false;
+    w = __atomic_fetch_add(&b->word, 1, __ATOMIC_RELAXED);
+    size_t lo = word_lo(w);
+    if (lo < b->hole_count) {
+        *out = b->holes[lo];
+        return true;
+    }
+    *out = chunk_floor(b, w);
+    return (*out + 1) * a->chunk_size <= word_hi(w); /* else another thread took the rest */
 }
 
 /* Give the calling thread's chunk slot a chunk of b: the one it had at the same place in its
- * claim order N frames ago if still free, else a fresh one. False: b has no room left. */
+ * claim order in b's previous frame (see above), else a fresh one. False: b has no room. */
 static bool chunk_take(sp_frame_arena *a, frame_buffer *b, sp_frame_chunk *c) {
-    sticky_list *l = &sticky_tls[a->hot.slot][a->current];
-    if (l->arena != a->id) *l = (sticky_list){.arena = a->id};
-    if (l->gen != a->hot.gen) {
-        l->gen = a->hot.gen;
-        l->next = 0;
-    }
-    size_t i = 0;
-    bool again = l->next < l->count && chunk_sticky(a, b, i = l->index[l->next]);
-    if (!again && !chunk_fresh(a, b, &i)) return false;
-    if (l->next < STICKY) {
-        l->index[l->next++] = (uint32_t)i;
-        if (l->next > l->count) l->count = l->next;
+    claim_record *r = record_get(a);
+    size_t i = SIZE_MAX;
+    if (r && r->kept < r->replay) i = r->index[r->kept];
+    if (i >= a->cur_reserved && !chunk_fresh(a, b, &i)) return false;
+    if (r) {
+        __atomic_store_n(&r->claimed, r->claimed + 1, __ATOMIC_RELAXED);
+        if (r->kept < STICKY) {
+            __atomic_store_n(&r->index[r->kept], (uint32_t)i, __ATOMIC_RELAXED);
+            __atomic_store_n(&r->kept, r->kept + 1, __ATOMIC_RELAXED);
+        }
+    } else {
+        __atomic_fetch_add(&b->unrecorded, 1, __ATOMIC_RELAXED);
     }
     c->gen = a->hot.gen;
-    c->cur = b->base + i * a->chunk_size;
+    c->cur = a->cur_base + i * a->chunk_size;
     c->end = c->cur + a->chunk_size;
     return true;
 }
@@ -187,7 +238,7 @@ static void *chunk_bump(sp_frame_chunk *c, size_t align, size_t size) {
 }
 
 /* A range of its own in b for a request (large, or too large for a fresh chunk), taken from
- * the top down, never below lo: a CAS loop on hi, exact (no chunk tail is lost). NULL: it
+ * the top down, never below the chunk floor: a CAS loop on hi, exact (no chunk tail is lost). NULL: it
  * does not fit. */
 static void *direct_take(sp_frame_arena *a, frame_buffer *b, size_t align, size_t size) {
     if (size > a->capacity) return NULL; /* alloc_any sent alignments above it to overflow */
@@ -197,7 +248,7 @@ static void *direct_take(sp_frame_arena *a, frame_buffer *b, size_t align, size_
         size_t lo = word_lo(w), hi = word_hi(w);
         if (n > hi) return NULL;
         uintptr_t p = sp_align_down((uintptr_t)b->base + hi - n, align);
-        if (p < (uintptr_t)b->base + lo * a->chunk_size) return NULL;
+        if (p < (uintptr_t)b->base + chunk_floor(b, w) * a->chunk_size) return NULL;
         uint64_t nw = (uint64_t)lo | (uint64_t)(p - (uintptr_t)b->base) << LO_BITS;
         if (__atomic_compare_exchange_n(&b->word, &w, nw, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
             return (void *)p;
@@ -267,13 +318,49 @@ SP_NOINLINE void *sp_frame_alloc_generic(sp_frame_arena *a, size_t align, size_t
 
 /* ---- frames ------------------------------------------------------------------------------ */
 
-/* The bitmap words that can hold claims: every claimed chunk lies below lo (a fresh claim
- * raises lo first, a sticky one raises it past its chunk), so a frame that used a few chunks
- * costs its close a word or two to clear, not the whole map. */
-static size_t bit_words_used(const sp_frame_arena *a, const frame_buffer *b) {
-    size_t lo = word_lo(__atomic_load_n(&b->word, __ATOMIC_RELAXED));
-    size_t n = (lo + 63) / 64;
-    return n < a->bit_words ? n : a->bit_words;
+/* Chunks claimed in the open frame of a (buffer b): its records and the unrecorded count.
+ * O(records used). */
+static size_t claims_count(const sp_frame_arena *a, const frame_buffer *b) {
+    size_t n = __atomic_load_n(&b->unrecorded, __ATOMIC_RELAXED);
+    uint32_t used = __atomic_load_n(&a->records_used, __ATOMIC_RELAXED);
+    for (uint32_t i = 0; i < used && i < RECORDS; i++) {
+        const claim_record *r = &a->records[a->current][i];
+        if (__atomic_load_n(&r->frame, __ATOMIC_ACQUIRE) == a->frame)
+            n += __atomic_load_n(&r->claimed, __ATOMIC_RELAXED);
+    }
+    return n;
+}
+
+/* The open buffer b closes: what its next round reserves (one past the highest chunk a record
+ * of this frame kept) and its holes (the chunks below that no record kept). More than
+ * MAX_HOLES: it reserves nothing. O(records used + highest kept chunk / 64 + holes). */
+static void reserve_next(sp_frame_arena *a, frame_buffer *b) {
+    uint32_t used = __atomic_load_n(&a->records_used, __ATOMIC_RELAXED);
+    size_t top = 0;
+    for (uint32_t i = 0; i < used && i < RECORDS; i++) {
+        const claim_record *r = &a->records[a->current][i];
+        if (__atomic_load_n(&r->frame, __ATOMIC_RELAXED) != a->frame) continue;
+        uint32_t kept = __atomic_load_n(&r->kept, __ATOMIC_RELAXED);
+        for (uint32_t k = 0; k < kept; k++) {
+            size_t c = __atomic_load_n(&r->index[k], __ATOMIC_RELAXED);
+            a->marks[c / 64] |= UINT64_C(1) << (c % 64);
+            if (c + 1 > top) top = c + 1;
+        }
+    }
+    size_t holes = 0;
+    for (size_t w = 0; w * 64 < top; w++) { /* clears the marks for the next close */
+        size_t n = top - w * 64 < 64 ? top - w * 64 : 64;
+        uint64_t unkept = ~a->marks[w] & (n == 64 ? ~UINT64_C(0) : (UINT64_C(1) << n) - 1);
+        a->marks[w] = 0;
+        if (holes + (size_t)__builtin_popcountll(unkept) > MAX_HOLES)
+            holes = MAX_HOLES + 1;
+        else
+            for (; unkept; unkept &= unkept - 1)
+                b->holes[holes++] = (uint32_t)(w * 64 + (size_t)__builtin_ctzll(unkept));
+    }
+    bool reserve = holes <= MAX_HOLES;
+    b->reserved = reserve ? (uint32_t)top : 0;
+    b->hole_count = reserve ? (uint32_t)holes : 0;
 }
 
 static void heap_list_free(sp_frame_arena *a, frame_buffer *b) {
@@ -298,35 +385,29 @@ static void range_poison(frame_buffer *b, size_t from, size_t to) {
 }
 #endif
 
-/* The chunk bitmap of b, which closes: nothing claims in b again before its reclaim, whose
- * cost then does not depend on how much the frame allocated (the words written during the
- * frame are still in cache now). */
-static void bits_clear(const sp_frame_arena *a, frame_buffer *b) {
-    for (size_t k = bit_words_used(a, b); k-- > 0;)
-        __atomic_store_n(&b->bits[k], 0, __ATOMIC_RELAXED);
-}
-
 /* Everything b held goes: heap blocks freed (O(their count)), what the frame used poisoned in
- * debug and tool builds (the chunks below lo and the direct part from hi up: O(used)), the
+ * debug and tool builds (the chunks below its floor and the direct part from hi up: O(used)), the
  * bump state and the counts reset. */
 static void buffer_reclaim(sp_frame_arena *a, frame_buffer *b) {
     heap_list_free(a, b);
 #if TRACK_ASAN || TRACK_VALGRIND || SP_DEBUG >= 1
     uint64_t w = __atomic_load_n(&b->word, __ATOMIC_RELAXED);
-    size_t hi = word_hi(w), lo_bytes = word_lo(w) * a->chunk_size;
+    size_t hi = word_hi(w), lo_bytes = b->floor * a->chunk_size;
     range_poison(b, 0, lo_bytes < hi ? lo_bytes : hi);
     range_poison(b, hi, a->capacity);
 #endif
     __atomic_store_n(&b->word, (uint64_t)a->capacity << LO_BITS, __ATOMIC_RELAXED);
+    __atomic_store_n(&b->unrecorded, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&b->claimed, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&b->overflows, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&b->overflow_bytes, 0, __ATOMIC_RELAXED);
 }
 
-static void status_fill(const sp_frame_arena *a, uint32_t i, sp_frame_buffer_status *out) {
+/* Status of buffer i, which has `chunks` chunks claimed. */
+static void status_fill(const sp_frame_arena *a, uint32_t i, size_t chunks,
+                        sp_frame_buffer_status *out) {
     const frame_buffer *b = &a->buf[i];
-    /* In use: the claimed chunks and everything from hi up (the direct ranges). O(1). */
-    size_t chunks = __atomic_load_n(&b->claimed, __ATOMIC_RELAXED);
+    /* In use: the claimed chunks and everything from hi up (the direct ranges). */
     size_t used = chunks * a->chunk_size +
                   (a->capacity - word_hi(__atomic_load_n(&b->word, __ATOMIC_RELAXED)));
     *out = (sp_frame_buffer_status){
@@ -342,16 +423,21 @@ static void status_fill(const sp_frame_arena *a, uint32_t i, sp_frame_buffer_sta
 
 uint64_t sp_frame_arena_advance(sp_frame_arena *a, sp_frame_buffer_status *closed) {
     frame_buffer *b = &a->buf[a->current];
+    size_t chunks = claims_count(a, b);
+    __atomic_store_n(&b->claimed, chunks, __ATOMIC_RELAXED);
     sp_frame_buffer_status st;
-    status_fill(a, a->current, &st);
+    status_fill(a, a->current, chunks, &st);
     b->peak = st.peak;
-    bits_clear(a, b);
     if (closed) *closed = st;
+    b->floor = chunk_floor(b, __atomic_load_n(&b->word, __ATOMIC_RELAXED));
+    reserve_next(a, b);
     a->frame++;
     a->current = (uint32_t)(a->frame % a->buffers);
     b = &a->buf[a->current];
     buffer_reclaim(a, b);
     b->frame = a->frame;
+    a->cur_reserved = (uint32_t)b->reserved;
+    a->cur_base = b->base;
     a->hot.gen = gen_take(); /* every thread's chunk of the old frame is stale now */
     return a->frame;
 }
@@ -374,7 +460,13 @@ void sp_frame_buffer_status_get(const sp_frame_arena *a, uint32_t buffer,
                   "buffer %u of an arena of %u buffers", buffer, a->buffers);
         return;
     }
-    status_fill(a, buffer, out);
+    /* The open buffer's chunks are counted on the claim records (O(threads that claimed in
+     * the arena, at most 64)); a closed one's were counted at its close. */
+    const frame_buffer *b = &a->buf[buffer];
+    status_fill(a, buffer,
+                buffer == a->current ? claims_count(a, b)
+                                     : __atomic_load_n(&b->claimed, __ATOMIC_RELAXED),
+                out);
 }
 
 /* ---- create / destroy -------------------------------------------------------------------- */
@@ -418,28 +510,31 @@ sp_frame_arena *sp_frame_arena_create(const sp_frame_desc *desc, sp_result *err)
                                           "%zu bytes make %u buffers of %zu bytes, below one "
                                           "chunk of %zu",
                                           size, n, capacity, chunk));
-    size_t chunks = capacity / chunk, bit_words = (chunks + 63) / 64;
+    size_t chunks = capacity / chunk;
     sp_frame_arena *a = aligned_alloc(64, sizeof *a);
-    uint64_t *bits = calloc((size_t)n * bit_words, sizeof *bits);
-    if (!a || !bits) {
+    /* The close's marks, then every buffer's holes. */
+    size_t mark_words = (chunks + 63) / 64;
+    uint64_t *extra = calloc(mark_words + ((size_t)n * MAX_HOLES + 1) / 2, sizeof(uint64_t));
+    if (!a || !extra) {
         free(a);
-        free(bits);
+        free(extra);
         return create_fail(err, SP_ERR_NOMEM);
     }
     memset(a, 0, sizeof *a);
+    a->marks = extra;
     a->own = d.region == NULL;
     a->committed = a->own ? capacity * n : sp_align_down(size, page);
     a->region = a->own ? sp_vm_reserve(a->committed, 0, false, NULL) : d.region;
     if (!a->region) {
         free(a);
-        free(bits);
+        free(extra);
         return create_fail(err, SP_ERR_OS);
     }
     sp_result r = sp_vm_commit(a->region, a->committed);
     if (r != SP_OK) {
         if (a->own) sp_vm_release(a->region, a->committed);
         free(a);
-        free(bits);
+        free(extra);
         return create_fail(err, r);
     }
     a->id = gen_take();
@@ -454,12 +549,12 @@ sp_frame_arena *sp_frame_arena_create(const sp_frame_desc *desc, sp_result *err)
     a->heap_free = d.heap_free ? d.heap_free : libc_free;
     a->heap_user = d.heap_user;
     a->chunks = chunks;
-    a->bit_words = bit_words;
     for (uint32_t i = 0; i < n; i++) {
         a->buf[i].base = a->region + (size_t)i * capacity;
-        a->buf[i].bits = bits + (size_t)i * bit_words;
+        a->buf[i].holes = (uint32_t *)(void *)(extra + mark_words) + (size_t)i * MAX_HOLES;
         a->buf[i].word = (uint64_t)capacity << LO_BITS;
     }
+    a->cur_base = a->buf[0].base;
     if (err) *err = SP_OK;
     return a;
 }
@@ -475,6 +570,6 @@ void sp_frame_arena_destroy(sp_frame_arena *a) {
         sp_vm_release(a->region, a->committed);
     else
         sp_vm_decommit(a->region, a->committed);
-    free(a->buf[0].bits);
+    free(a->marks);
     free(a);
 }

@@ -7,12 +7,16 @@
  *
  * Allocation: each thread bump-allocates from a private chunk (chunk_size bytes, 256 KiB by
  * default) of the current buffer. Chunks are handed out from the bottom of the buffer: a
- * thread first gets back the chunk it had at the same place in its order of claims N frames
- * ago, if nobody took it yet (a compare-exchange and an atomic or), so in a steady frame
- * loop each thread writes memory its own core wrote last (threads that traded chunks between
- * frames measured several times slower: bench/README.md, frame); otherwise it takes the next
- * free chunk (an atomic add and an atomic or); each claim also counts itself (an atomic add on
- * the bump word's line). A request of any size that fits the rest of
+ * thread first gets back the chunks it had the last time the buffer came round, in the same
+ * order, with no atomic operation and nothing shared written (each thread lists its claims on
+ * a record of its own, which the closing frame reads to keep those chunks for it), so in a
+ * steady frame loop each thread writes memory its own core wrote last (threads that traded
+ * chunks between frames measured several times slower: bench/README.md, frame); otherwise it
+ * takes a fresh chunk, one atomic add: a chunk that nobody asked to keep, or the next one up.
+ * A kept chunk whose thread does not come back for it is lost for that frame. An arena has
+ * records for 64 threads (a thread keeps its record for the arena's life, also when it
+ * alternates with another arena of its slot); threads beyond claim fresh chunks only, each
+ * counted by an atomic add. A request of any size that fits the rest of
  * the thread's chunk comes from it; one that does not and is above chunk_size / 4 (or aligned
  * above it), and the last bytes of a full buffer, take their own range from the top down (a
  * compare-exchange loop). The calling thread's chunk is found on every call through a fresh
@@ -137,16 +141,19 @@ void sp_frame_arena_destroy(sp_frame_arena *a);
  *   the same with any power-of-two alignment (the block's end is padded to 16).
  * Cost: inline, a thread-pointer read, two compares and a bump (bench `frame/alloc`:
  * bench/README.md has the figures, against tcache and mimalloc in the same run); the
- * out-of-line rest (sp_frame_alloc_generic) takes a chunk (three atomics) or a direct range (a
- * CAS loop).
+ * out-of-line rest (sp_frame_alloc_generic) takes a chunk (a chunk kept for the thread: no
+ * atomic; a fresh one: one atomic add) or a direct range (a CAS loop).
  * Returns NULL when the buffer is exhausted in SP_FRAME_OVERFLOW_NULL mode or the heap fallback
  * fails (both counted, see above); misuse (NULL + report): align not a power of two
  * (SP_ERR_BAD_ALIGNMENT), size above PTRDIFF_MAX (SP_ERR_OVERFLOW). `a` must be a live arena
  * (the inline path reads it before any check). */
 
-/* Close the current frame, start the next one, reclaim its buffer. Closing clears the closing
- * buffer's chunk bitmap (the words of the chunks the frame claimed, one per 64 chunks, still in
- * cache); the reclaim resets the bump state and counts in O(1), frees the heap-fallback blocks
+/* Close the current frame, start the next one, reclaim its buffer. Closing reads the frame's
+ * claim records (one line per thread that claimed in the arena, at most 64: its chunk count and
+ * the chunks it keeps) and lists the chunks nobody kept below the highest kept one, for fresh
+ * claims the next time round (O(threads + highest kept chunk / 64 + those chunks)); the
+ * reclaim resets the bump state and counts in
+ * O(1), frees the heap-fallback blocks
  * of that buffer (O(their count)), and in debug builds fills or poisons the used part (O(bytes
  * used)). Fills *closed (if not NULL) with the closing frame's buffer status. Returns the new frame
  * number (frame 0 is the first). See the concurrency table: no allocation from this arena may run
@@ -161,7 +168,8 @@ uint64_t sp_frame_arena_frame(const sp_frame_arena *a);
 int sp_frame_arena_buffer_of(const sp_frame_arena *a, const void *p);
 
 /* Status of one buffer. A buffer index >= buffers is misuse (SP_ERR_INVALID_ARG; *out zeroed).
- * O(1). See the concurrency table. */
+ * O(1) for a closed buffer; the open one's chunks are counted on the claim records (a line per
+ * thread that claimed in the arena, at most 64). See the concurrency table. */
 void sp_frame_buffer_status_get(const sp_frame_arena *a, uint32_t buffer,
                                 sp_frame_buffer_status *out);
 

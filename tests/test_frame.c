@@ -586,13 +586,14 @@ static void test_sticky(void) {
     sp_frame_arena_advance(a, NULL);
     sp_frame_arena_advance(a, NULL);
     ts_log_capture();
-    char *d = sp_frame_alloc(a, cap - 512); /* direct first: [512, cap) */
-    char *x = sp_frame_alloc(a, 16);        /* chunk 0 would overlap it: the last bytes below it */
+    char *d = sp_frame_alloc(a, cap - 512);   /* would cover chunk 0 */
+    char *d0 = sp_frame_alloc(a, cap - 1024); /* right above it */
+    char *x = sp_frame_alloc(a, 16);          /* its owner asks for it again */
     sp_frame_buffer_status st;
     sp_frame_buffer_status_get(a, 0, &st);
-    ok(d == c0 + 512 && x == d - 16 && st.chunks == 0 && st.overflows == 0,
-       "a direct range first: the thread's old chunk under it is not handed out (16 B come "
-       "from the bytes below the range)");
+    ok(d == NULL && d0 == c0 + 1024 && x == c0 && st.chunks == 1 && st.overflows == 1,
+       "a direct range first: it stays above the chunk kept for its owner of N frames ago (one "
+       "that would cover it overflows), and the owner gets the chunk back");
     sp_frame_arena_advance(a, NULL);
     sp_frame_arena_advance(a, NULL);
     x = sp_frame_alloc(a, 16); /* the old chunk first */
@@ -605,8 +606,120 @@ static void test_sticky(void) {
     sp_frame_arena_destroy(a);
 }
 
+/* Threads that come and go: a chunk kept for a thread that does not come back is lost for one
+ * round, then a hole that the next fresh claim takes; threads past the arena's claim records
+ * still claim and are counted. */
+static sp_frame_arena *churn_arena;
+static char *churn_got;
+static int churn_n = 1; /* 16-byte allocations per thread; churn_got: the first */
+
+static void *churn_thread(void *arg) {
+    (void)arg;
+    churn_got = sp_frame_alloc(churn_arena, 16);
+    for (int i = 1; i < churn_n; i++) sp_frame_alloc(churn_arena, 16);
+    return NULL;
+}
+
+static char *churn_alloc_on_new_thread(void) {
+    pthread_t t;
+    pthread_create(&t, NULL, churn_thread, NULL);
+    pthread_join(t, NULL);
+    return churn_got;
+}
+
+static void test_churn(void) {
+    churn_arena = make(2, 1u << 20, 1024, SP_FRAME_OVERFLOW_NULL);
+    char *base = churn_alloc_on_new_thread(); /* frame 0: thread A, chunk 0 */
+    char *a1 = churn_alloc_on_new_thread();   /* thread B, chunk 1 */
+    sp_frame_arena_advance(churn_arena, NULL);
+    sp_frame_arena_advance(churn_arena, NULL);
+    char *c = churn_alloc_on_new_thread(); /* frame 2: A and B gone; C past their chunks */
+    sp_frame_arena_advance(churn_arena, NULL);
+    sp_frame_arena_advance(churn_arena, NULL);
+    char *d = churn_alloc_on_new_thread(); /* frame 4: D takes a hole */
+    char *e = churn_alloc_on_new_thread(); /* E the other */
+    char *f = churn_alloc_on_new_thread(); /* F past C's chunk */
+    ok(a1 == base + 1024 && c == base + 2048 && d == base && e == base + 1024 &&
+           f == base + 3072,
+       "kept chunks of threads that did not come back are holes the next round, fresh claims "
+       "take them first (%td %td %td %td %td)",
+       a1 - base, c - base, d - base, e - base, f - base);
+    sp_frame_arena_destroy(churn_arena);
+
+    /* More than 512 holes (the most a buffer keeps): the next round reserves nothing. */
+    churn_arena = make(2, 4u << 20, 1024, SP_FRAME_OVERFLOW_NULL); /* 2,048 chunks a buffer */
+    churn_n = 600 * 64;                        /* 600 chunks, the first 8 kept */
+    base = churn_alloc_on_new_thread();
+    churn_n = 1;
+    char *last = churn_alloc_on_new_thread(); /* chunk 600: 592 holes below it */
+    sp_frame_arena_advance(churn_arena, NULL);
+    sp_frame_arena_advance(churn_arena, NULL);
+    char *again = churn_alloc_on_new_thread();
+    ok(last == base + 600 * 1024 && again == base,
+       "more holes than a buffer keeps: the next round reserves nothing (fresh claims from chunk "
+       "0: %td)", again - base);
+    sp_frame_arena_destroy(churn_arena);
+
+    /* A thread back after skipping a round does not ask for its old chunk, which the round it
+     * skipped made a hole: the main thread claims in frames 0 and 4, new threads in 2 and 4. */
+    churn_arena = make(2, 1u << 20, 1024, SP_FRAME_OVERFLOW_NULL);
+    char *m0 = sp_frame_alloc(churn_arena, 16); /* frame 0: chunk 0, kept */
+    sp_frame_arena_advance(churn_arena, NULL);
+    sp_frame_arena_advance(churn_arena, NULL);
+    char *b2 = churn_alloc_on_new_thread(); /* frame 2: chunk 0 reserved, so chunk 1 */
+    sp_frame_arena_advance(churn_arena, NULL);
+    sp_frame_arena_advance(churn_arena, NULL);
+    char *c4 = churn_alloc_on_new_thread(); /* frame 4: chunk 0 is a hole, the first fresh claim */
+    char *m4 = sp_frame_alloc(churn_arena, 16);
+    ok(b2 == m0 + 1024 && c4 == m0 && m4 == m0 + 2048,
+       "a thread that skipped a round claims fresh: its old chunk went to another thread as a "
+       "hole (%td %td %td)", b2 - m0, c4 - m0, m4 - m0);
+    sp_frame_arena_destroy(churn_arena);
+
+    /* More threads than claim records (64 per buffer): every claim counted. */
+    enum { THREADS = 70 };
+    churn_arena = make(2, 1u << 20, 1024, SP_FRAME_OVERFLOW_NULL);
+    bool distinct = true;
+    char *got[THREADS];
+    for (int i = 0; i < THREADS; i++) {
+        got[i] = churn_alloc_on_new_thread();
+        for (int j = 0; j < i; j++) distinct &= got[i] != got[j];
+    }
+    sp_frame_buffer_status open, closed;
+    sp_frame_buffer_status_get(churn_arena, 0, &open);
+    sp_frame_arena_advance(churn_arena, &closed);
+    ok(distinct && open.chunks == THREADS && closed.chunks == THREADS &&
+           closed.bytes_used == THREADS * 1024,
+       "%d threads, one chunk each: all distinct, all counted (open %zu, closed %zu)", THREADS,
+       open.chunks, closed.chunks);
+    sp_frame_arena_destroy(churn_arena);
+
+    /* A thread alternating between two arenas of one slot (a new chunk at every switch) keeps
+     * its one record in each: 200 switches later it still gets its first chunk back. */
+    sp_frame_arena *x = make(2, 1u << 20, 1024, SP_FRAME_OVERFLOW_NULL), *other[3];
+    for (int i = 0; i < 3; i++) other[i] = make(2, 1u << 20, 1024, SP_FRAME_OVERFLOW_NULL);
+    sp_frame_arena *y = make(2, 1u << 20, 1024, SP_FRAME_OVERFLOW_NULL); /* x's slot */
+    char *x0 = NULL;
+    for (int i = 0; i < 200; i++) {
+        char *p = sp_frame_alloc(x, 16);
+        if (!x0) x0 = p;
+        sp_frame_alloc(y, 16);
+    }
+    sp_frame_arena_advance(x, NULL);
+    sp_frame_arena_advance(x, NULL);
+    churn_arena = x;
+    char *n2 = churn_alloc_on_new_thread(); /* frame 2: a fresh claim first, above the 8 kept */
+    char *x2 = sp_frame_alloc(x, 16);
+    ok(x2 == x0 && n2 == x0 + 8 * 1024,
+       "200 switches between two arenas of one slot: the thread still has its record (its first "
+       "chunk back: %td; a new thread's fresh chunk: %td)", x2 - x0, n2 - x0);
+    for (int i = 0; i < 3; i++) sp_frame_arena_destroy(other[i]);
+    sp_frame_arena_destroy(x);
+    sp_frame_arena_destroy(y);
+}
+
 int main(void) {
-    plan(44);
+    plan(49);
     for (uint32_t n = 1; n <= 4; n++) test_lifetime(n);
     test_alignment();
     test_chunks();
@@ -617,6 +730,7 @@ int main(void) {
     test_given_region(true);
     test_slots();
     test_sticky();
+    test_churn();
     test_misuse();
     test_debug_fill();
     test_migration();
