@@ -103,7 +103,11 @@ struct sp_frame_arena {
     _Alignas(64) uint32_t records_used;  /* atomic: indices taken, at most RECORDS */
     uint64_t record_owner[RECORDS];      /* atomic: the thread token holding each index */
     frame_buffer buf[SP_FRAME_MAX_BUFFERS];
-    claim_record records[SP_FRAME_MAX_BUFFERS][RECORDS];
+    /* [thread index][buffer]: a thread's records of all buffers on adjacent lines, one page:
+     * the close of a buffer it did not claim in reads lines next to the ones it just wrote
+     * (records by buffer put them a page apart, cold after a large frame: the reclaim after
+     * 1,000,000 allocations cost 220-400 ns instead of 35). */
+    claim_record records[RECORDS][SP_FRAME_MAX_BUFFERS];
 };
 _Static_assert(offsetof(struct sp_frame_arena, hot) == 0, "the inline paths read hot at a");
 _Static_assert(offsetof(struct sp_frame_arena, buffers) + sizeof(uint32_t) <= 64,
@@ -173,7 +177,7 @@ static claim_record *record_get(sp_frame_arena *a) {
     }
     uint32_t i = record_tls[a->hot.slot].index;
     if (i == RECORDS) return NULL;
-    claim_record *r = &a->records[a->current][i];
+    claim_record *r = &a->records[i][a->current];
     uint64_t f = __atomic_load_n(&r->frame, __ATOMIC_RELAXED);
     if (f != a->frame) {
         r->replay = f + a->buffers == a->frame ? r->kept : 0;
@@ -324,7 +328,7 @@ static size_t claims_count(const sp_frame_arena *a, const frame_buffer *b) {
     size_t n = __atomic_load_n(&b->unrecorded, __ATOMIC_RELAXED);
     uint32_t used = __atomic_load_n(&a->records_used, __ATOMIC_RELAXED);
     for (uint32_t i = 0; i < used && i < RECORDS; i++) {
-        const claim_record *r = &a->records[a->current][i];
+        const claim_record *r = &a->records[i][a->current];
         if (__atomic_load_n(&r->frame, __ATOMIC_ACQUIRE) == a->frame)
             n += __atomic_load_n(&r->claimed, __ATOMIC_RELAXED);
     }
@@ -338,7 +342,7 @@ static void reserve_next(sp_frame_arena *a, frame_buffer *b) {
     uint32_t used = __atomic_load_n(&a->records_used, __ATOMIC_RELAXED);
     size_t top = 0;
     for (uint32_t i = 0; i < used && i < RECORDS; i++) {
-        const claim_record *r = &a->records[a->current][i];
+        const claim_record *r = &a->records[i][a->current];
         if (__atomic_load_n(&r->frame, __ATOMIC_RELAXED) != a->frame) continue;
         uint32_t kept = __atomic_load_n(&r->kept, __ATOMIC_RELAXED);
         for (uint32_t k = 0; k < kept; k++) {
