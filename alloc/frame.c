@@ -62,8 +62,7 @@ typedef struct frame_buffer {
     /* Owned by the advancing thread. */
     uint64_t frame;
     size_t peak;
-    size_t claimed; /* chunks its last frame claimed, counted at close (atomic: status) */
-    size_t floor;   /* chunk_floor at its close: the chunks its frame may have used */
+    size_t floor; /* chunk_floor at its close: the chunks its frame may have used */
     char *base;
 } frame_buffer;
 
@@ -322,37 +321,33 @@ SP_NOINLINE void *sp_frame_alloc_generic(sp_frame_arena *a, size_t align, size_t
 
 /* ---- frames ------------------------------------------------------------------------------ */
 
-/* Chunks claimed in the open frame of a (buffer b): its records and the unrecorded count.
- * O(records used). */
-static size_t claims_count(const sp_frame_arena *a, const frame_buffer *b) {
+/* Chunks claimed in buffer i's frame (the open one, or its last until its reclaim): the records
+ * of that frame and the unrecorded count. O(records used). With marks (the buffer closes), the
+ * chunks the records kept are also marked there, and *top is one past the highest. */
+static size_t claims_count(const sp_frame_arena *a, uint32_t i, uint64_t *marks, size_t *top) {
+    const frame_buffer *b = &a->buf[i];
     size_t n = __atomic_load_n(&b->unrecorded, __ATOMIC_RELAXED);
     uint32_t used = __atomic_load_n(&a->records_used, __ATOMIC_RELAXED);
-    for (uint32_t i = 0; i < used && i < RECORDS; i++) {
-        const claim_record *r = &a->records[i][a->current];
-        if (__atomic_load_n(&r->frame, __ATOMIC_ACQUIRE) == a->frame)
-            n += __atomic_load_n(&r->claimed, __ATOMIC_RELAXED);
+    for (uint32_t k = 0; k < used && k < RECORDS; k++) {
+        const claim_record *r = &a->records[k][i];
+        if (__atomic_load_n(&r->frame, __ATOMIC_ACQUIRE) != b->frame) continue;
+        n += __atomic_load_n(&r->claimed, __ATOMIC_RELAXED);
+        uint32_t kept = marks ? __atomic_load_n(&r->kept, __ATOMIC_RELAXED) : 0;
+        for (uint32_t j = 0; j < kept; j++) {
+            size_t c = __atomic_load_n(&r->index[j], __ATOMIC_RELAXED);
+            marks[c / 64] |= UINT64_C(1) << (c % 64);
+            if (c + 1 > *top) *top = c + 1;
+        }
     }
     return n;
 }
 
-/* The open buffer b closes: what its next round reserves (one past the highest chunk a record
- * of this frame kept) and its holes (the chunks below that no record kept). More than
- * MAX_HOLES: it reserves nothing. O(records used + highest kept chunk / 64 + holes). */
-static void reserve_next(sp_frame_arena *a, frame_buffer *b) {
-    uint32_t used = __atomic_load_n(&a->records_used, __ATOMIC_RELAXED);
-    size_t top = 0;
-    for (uint32_t i = 0; i < used && i < RECORDS; i++) {
-        const claim_record *r = &a->records[i][a->current];
-        if (__atomic_load_n(&r->frame, __ATOMIC_RELAXED) != a->frame) continue;
-        uint32_t kept = __atomic_load_n(&r->kept, __ATOMIC_RELAXED);
-        for (uint32_t k = 0; k < kept; k++) {
-            size_t c = __atomic_load_n(&r->index[k], __ATOMIC_RELAXED);
-            a->marks[c / 64] |= UINT64_C(1) << (c % 64);
-            if (c + 1 > top) top = c + 1;
-        }
-    }
+/* The open buffer b closes, its kept chunks marked below top (claims_count): what its next
+ * round reserves (top) and its holes (the chunks below top that no record kept). More than
+ * MAX_HOLES: it reserves nothing. O(top / 64 + holes); the marks are cleared again. */
+static void reserve_next(sp_frame_arena *a, frame_buffer *b, size_t top) {
     size_t holes = 0;
-    for (size_t w = 0; w * 64 < top; w++) { /* clears the marks for the next close */
+    for (size_t w = 0; w * 64 < top; w++) {
         size_t n = top - w * 64 < 64 ? top - w * 64 : 64;
         uint64_t unkept = ~a->marks[w] & (n == 64 ? ~UINT64_C(0) : (UINT64_C(1) << n) - 1);
         a->marks[w] = 0;
@@ -402,7 +397,6 @@ static void buffer_reclaim(sp_frame_arena *a, frame_buffer *b) {
 #endif
     __atomic_store_n(&b->word, (uint64_t)a->capacity << LO_BITS, __ATOMIC_RELAXED);
     __atomic_store_n(&b->unrecorded, 0, __ATOMIC_RELAXED);
-    __atomic_store_n(&b->claimed, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&b->overflows, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&b->overflow_bytes, 0, __ATOMIC_RELAXED);
 }
@@ -427,14 +421,13 @@ static void status_fill(const sp_frame_arena *a, uint32_t i, size_t chunks,
 
 uint64_t sp_frame_arena_advance(sp_frame_arena *a, sp_frame_buffer_status *closed) {
     frame_buffer *b = &a->buf[a->current];
-    size_t chunks = claims_count(a, b);
-    __atomic_store_n(&b->claimed, chunks, __ATOMIC_RELAXED);
+    size_t top = 0;
     sp_frame_buffer_status st;
-    status_fill(a, a->current, chunks, &st);
+    status_fill(a, a->current, claims_count(a, a->current, a->marks, &top), &st);
     b->peak = st.peak;
     if (closed) *closed = st;
     b->floor = chunk_floor(b, __atomic_load_n(&b->word, __ATOMIC_RELAXED));
-    reserve_next(a, b);
+    reserve_next(a, b, top);
     a->frame++;
     a->current = (uint32_t)(a->frame % a->buffers);
     b = &a->buf[a->current];
@@ -464,13 +457,7 @@ void sp_frame_buffer_status_get(const sp_frame_arena *a, uint32_t buffer,
                   "buffer %u of an arena of %u buffers", buffer, a->buffers);
         return;
     }
-    /* The open buffer's chunks are counted on the claim records (O(threads that claimed in
-     * the arena, at most 64)); a closed one's were counted at its close. */
-    const frame_buffer *b = &a->buf[buffer];
-    status_fill(a, buffer,
-                buffer == a->current ? claims_count(a, b)
-                                     : __atomic_load_n(&b->claimed, __ATOMIC_RELAXED),
-                out);
+    status_fill(a, buffer, claims_count(a, buffer, NULL, NULL), out);
 }
 
 /* ---- create / destroy -------------------------------------------------------------------- */

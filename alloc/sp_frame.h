@@ -168,8 +168,8 @@ uint64_t sp_frame_arena_frame(const sp_frame_arena *a);
 int sp_frame_arena_buffer_of(const sp_frame_arena *a, const void *p);
 
 /* Status of one buffer. A buffer index >= buffers is misuse (SP_ERR_INVALID_ARG; *out zeroed).
- * O(1) for a closed buffer; the open one's chunks are counted on the claim records (a line per
- * thread that claimed in the arena, at most 64). See the concurrency table. */
+ * The chunks are counted on the claim records of the buffer's frame (a line per thread that
+ * claimed in the arena, at most 64). See the concurrency table. */
 void sp_frame_buffer_status_get(const sp_frame_arena *a, uint32_t buffer,
                                 sp_frame_buffer_status *out);
 
