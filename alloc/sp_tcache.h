@@ -48,8 +48,9 @@
  * second word of a freed small block; a live block whose second word a user set to exactly
  * that value would be refused as a double free.
  *
- * Sanitizers: with AddressSanitizer, or Valgrind tracking (SP_TRACK_VALGRIND), the inline fast
- * paths below are replaced by calls, so that block state goes through alloc/track.h.
+ * Where SP_INLINE_FAST_PATHS is 0 (sp_platform.h: AddressSanitizer, Valgrind tracking, or no
+ * SP_TLS_FRESH for the CPU) the inline fast paths below are replaced by calls, so that block
+ * state goes through alloc/track.h.
  */
 #ifndef SP_TCACHE_H
 #define SP_TCACHE_H
@@ -121,7 +122,8 @@ sp_result sp_tcache_init(const sp_tcache_desc *desc);
 size_t sp_tcache_shutdown(void);
 
 /* Give the calling thread a cache now (it gets one on its first allocation otherwise).
- * Cost: one small block from the large heap, a registry lock. SP_OK, or SP_ERR_NOMEM. */
+ * Cost: a span of the span heap for the cache record (a page or two of it touched), the heap
+ * lock and the registry lock. SP_OK, or SP_ERR_NOMEM. */
 sp_result sp_tcache_thread_attach(void);
 
 /* Hand the calling thread's cache back: inboxes collected, empty spans returned, spans with
@@ -142,7 +144,8 @@ size_t sp_tcache_trim(void);
  *                                                 by this thread's cache: skips the range
  *                                                 check; the owner, interior and double-free
  *                                                 checks stay. Anything else is undefined
- * Cost: a few ns on the fast path; the slow path refills from inboxes, the span's unused tail,
+ * Cost: alloc is a table lookup and a pop; free is the pointer checks and a push (bench
+ * `tcache local`: bench/README.md has the ratios to the peers); the slow path refills from inboxes, the span's unused tail,
  * other spans of the class, kept empty spans, orphans, then the central heap (one lock).
  * alloc returns NULL when the heaps cannot grow. */
 
@@ -197,11 +200,10 @@ typedef struct sp_tcache_block {
  * hands or carves; the second is the owner's, written by every alloc and owner free: a remote
  * free never pulls the owner's hot line away from it. */
 typedef struct sp_tcache_span {
-    uint32_t start;   /* offset of the first block from the span's start */
     uint32_t first32; /* low 32 bits of the first block's address: (uint32_t)p - first32
                          is p's offset from it (the span is aligned to 256 KiB) */
     uint32_t carved;  /* blocks cut from the span so far (the rest not handed out yet) */
-    uint32_t pad_;
+    uint32_t pad_[2];
     struct sp_tcache *owner; /* read by any thread (atomically); written by the owner. At
                                 offset 16: clear of the links TLSF writes into a freed span */
     uint64_t div_magic;      /* UINT64_MAX / block size + 2 */

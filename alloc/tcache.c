@@ -80,18 +80,18 @@ TRACK_INTERNAL static void span_format(span *s, cache *c, uint32_t k) {
     uint32_t bs = tcache_class_size(k);
     __atomic_store_n(&s->pub.head, 0, __ATOMIC_RELAXED);
     char *base = span_base(s);
-    s->pub.start = class_start(bs, (uint32_t)((char *)s - base) + SPAN_HEADER);
-    s->pub.first32 = (uint32_t)(uintptr_t)(base + s->pub.start);
+    s->pub.first32 = (uint32_t)(uintptr_t)(base + class_start(bs, (uint32_t)((char *)s - base) +
+                                                                       SPAN_HEADER));
     span_check_init(&s->pub, bs);
     s->cls = k;
     s->block_size = bs;
-    s->capacity = (uint32_t)((SP_TCACHE_SPAN - SPAN_TAIL - s->pub.start) / bs);
+    s->capacity = (uint32_t)(span_area(s) / bs);
     s->next = s->prev = NULL;
     atomic_store_explicit(&s->inbox, 0, memory_order_relaxed);
     s->magic = span_magic(s);
     __atomic_store_n(&s->owner_tid, c ? c->tid : 0, __ATOMIC_RELAXED);
     __atomic_store_n(&s->pub.owner, c ? &c->pub : NULL, __ATOMIC_RELEASE);
-    track_pool(base + s->pub.start, SP_TCACHE_SPAN - SPAN_TAIL - s->pub.start);
+    track_pool(span_first(s), span_area(s));
 }
 
 /* Cut up to a page worth of blocks (at least one) from the uncarved tail onto the free list.
@@ -103,7 +103,7 @@ TRACK_INTERNAL static bool span_carve(span *s) {
     uint32_t n = 4096 / bs;
     if (n == 0) n = 1;
     if (n > left) n = left;
-    char *first = span_base(s) + s->pub.start + (size_t)done * bs;
+    char *first = span_first(s) + (size_t)done * bs;
     sp_tcache_block *head = span_free(s);
     for (uint32_t i = n; i-- > 0;) {
         sp_tcache_block *b = (sp_tcache_block *)(first + (size_t)i * bs);
@@ -151,7 +151,7 @@ static span *span_new(cache *c, uint32_t k) {
     char *base = heap_alloc(&tc.spans, SP_TCACHE_SPAN, SP_TCACHE_SPAN - SPAN_TAIL);
     if (!base) return NULL;
     track_subpool_begin(base, SP_TCACHE_SPAN - SPAN_TAIL);
-    span *s = span_at(base);
+    span *s = span_of(base);
     span_format(s, c, k);
     return s;
 }
@@ -160,7 +160,7 @@ static span *span_new(cache *c, uint32_t k) {
 TRACK_INTERNAL void span_release(span *s) {
     SP_INVARIANT(sp_tcache_count_(s->pub.head) == 0, "span_release", s); /* and not current */
     char *base = span_base(s);
-    track_release(base + s->pub.start, SP_TCACHE_SPAN - SPAN_TAIL - s->pub.start);
+    track_release(span_first(s), span_area(s));
     s->magic = 0;
     __atomic_store_n(&s->pub.owner, NULL, __ATOMIC_RELAXED);
     track_subpool_end(base, SP_TCACHE_SPAN - SPAN_TAIL);
@@ -182,7 +182,7 @@ static void ring_insert(cache *c, span *s) {
     (*head)->prev = s;
 }
 
-static void ring_remove(cache *c, span *s) {
+void tcache_ring_remove(cache *c, span *s) {
     span **head = &c->ring[s->cls];
     if (s->next == s) {
         *head = NULL;
@@ -213,7 +213,7 @@ void tcache_set_cur(cache *c, uint32_t k, span *s) {
 static void make_current(cache *c, span *s, bool from_ring) {
     uint32_t k = s->cls;
     sp_mutex_lock(&c->lock);
-    if (from_ring) ring_remove(c, s);
+    if (from_ring) tcache_ring_remove(c, s);
     span *old = (span *)c->pub.cur[k];
     if (old != &tcache_sentinel) ring_insert(c, old);
     tcache_set_cur(c, k, s);
@@ -368,7 +368,7 @@ sp_tcache *tcache_create(void) {
      * the large heap could be freed by a stale large pointer that happened to match it. */
     char *rec = heap_alloc(&tc.spans, SP_TCACHE_SPAN, SP_TCACHE_SPAN - SPAN_TAIL);
     if (!rec) return NULL;
-    span *h = span_at(rec);
+    span *h = span_of(rec);
     memset(h, 0, SPAN_HEADER);
     cache *c = (cache *)((char *)h + SPAN_HEADER);
     tcache_cache_init(c, sp_thread_os_id());
@@ -597,7 +597,7 @@ static where tcache_where(const void *p) {
 TRACK_INTERNAL static void block_free(void *p, const char *call) {
     switch (tcache_where(p)) {
     case IN_SPANS: {
-        span *s = (span *)sp_tcache_span_of_((uintptr_t)p);
+        span *s = span_of(p);
         if (!tcache_block_check(s, p, call)) return;
         cache *self = (cache *)sp_tcache_tls;
         if (self == &unattached && tls_exited) {
@@ -653,7 +653,7 @@ void sp_tcache_free_sized(void *p, size_t size) {
 void tcache_span_emptied(cache *c, span *s) {
     SP_INVARIANT((span *)c->pub.cur[s->cls] != s, "tcache_span_emptied", s);
     sp_mutex_lock(&c->lock);
-    ring_remove(c, s);
+    tcache_ring_remove(c, s);
     bool keep = c->empty_count < tc.keep_empty;
     if (keep) {
         s->next = c->empty;
@@ -674,7 +674,7 @@ void sp_tcache_span_emptied(sp_tcache_span *s) {
 TRACK_INTERNAL static size_t block_usable(const void *p, const char *call) {
     switch (tcache_where(p)) {
     case IN_SPANS: {
-        span *s = (span *)sp_tcache_span_of_((uintptr_t)p);
+        span *s = span_of(p);
         return tcache_block_check(s, p, call) ? s->block_size : 0;
     }
     case IN_LARGE: return heap_usable(&tc.large, p);
@@ -695,7 +695,7 @@ TRACK_INTERNAL size_t sp_tcache_usable_size(const void *p) {
 TRACK_INTERNAL uint64_t sp_tcache_owner_thread(const void *p) {
     if (!p || tcache_where(p) != IN_SPANS) return 0;
     track_enter();
-    span *s = (span *)sp_tcache_span_of_((uintptr_t)p);
+    span *s = span_of(p);
     uint64_t tid = s->magic == span_magic(s) ? __atomic_load_n(&s->owner_tid, __ATOMIC_RELAXED) : 0;
     track_leave();
     return tid;

@@ -1,8 +1,8 @@
 /* Internals of the thread caches shared by alloc/tcache*.c and white-box tests (not installed).
  *
  * A span (SP_TCACHE_SPAN bytes, aligned to its size) holds this header at its colour offset
- * (sp_tcache_span_of_: 0..15 x 256 bytes); its blocks follow from `start` (an offset from the
- * span's start, past the header; the bytes before the header stay unused). Every span is, at
+ * (sp_tcache_span_of_: 0..15 x 256 bytes); its blocks follow from the first one (span_first:
+ * past the header; the bytes before the header stay unused). Every span is, at
  * any time, exactly one of: the current span of its class in its owner's cache (the count
  * of its owner word `head` carries SPAN_CURRENT), on its owner's ring of that class, on its
  * owner's empty list (count 0), on the global orphan list of its class (owner NULL), or free in the
@@ -45,6 +45,7 @@ typedef struct span {
 } span;
 
 _Static_assert(sizeof(span) <= SPAN_HEADER, "span header must fit in front of the blocks");
+_Static_assert(offsetof(sp_tcache_span, owner) == 16, "owner clear of TLSF's free-list links");
 _Static_assert(SPAN_HEADER == 1 << SP_TCACHE_COLOUR_SHIFT, "colour offsets are headers apart");
 
 /* Blocks of s handed out and not back with its owner (used without the current-span bias);
@@ -76,12 +77,19 @@ SP_INLINE void span_check_carved(sp_tcache_span *s, uint32_t bs, uint32_t carved
     __atomic_store_n(&s->start_limit, carved * (bs * s->div_magic), __ATOMIC_RELAXED);
 }
 
-/* The header of the span that starts at base, and the start of the span holding p. */
-SP_INLINE span *span_at(void *base) {
-    return (span *)sp_tcache_span_of_((uintptr_t)base);
-}
+/* The start of the span holding p, its header, its first block and the bytes from there to the
+ * span's tail. */
 SP_INLINE char *span_base(const void *p) {
-    return (char *)((uintptr_t)p & ~(uintptr_t)(SP_TCACHE_SPAN - 1));
+    return (char *)sp_align_down((uintptr_t)p, SP_TCACHE_SPAN);
+}
+SP_INLINE span *span_of(const void *p) {
+    return (span *)sp_tcache_span_of_((uintptr_t)p);
+}
+SP_INLINE char *span_first(const span *s) {
+    return span_base(s) + (s->pub.first32 & (SP_TCACHE_SPAN - 1));
+}
+SP_INLINE size_t span_area(const span *s) {
+    return (size_t)(span_base(s) + SP_TCACHE_SPAN - SPAN_TAIL - span_first(s));
 }
 
 typedef struct cache {

@@ -130,14 +130,7 @@ static size_t cache_trim(cache *c) {
             span_collect(s, c);
             if (span_used(s) == 0) {
                 sp_mutex_lock(&c->lock);
-                /* ring_remove, inline: */
-                if (s->next == s) {
-                    c->ring[k] = NULL;
-                } else {
-                    s->prev->next = s->next;
-                    s->next->prev = s->prev;
-                    if (c->ring[k] == s) c->ring[k] = s->next;
-                }
+                tcache_ring_remove(c, s);
                 sp_mutex_unlock(&c->lock);
                 span_release(s);
                 bytes += SP_TCACHE_SPAN;

@@ -201,7 +201,7 @@ static void test_colours(void) {
         void *blocks[N];
         for (int j = 0; j < N; j++) {
             char *p = blocks[j] = sp_tcache_alloc(sizes[i]);
-            char *base = (char *)((uintptr_t)p & ~(SP_TCACHE_SPAN - 1));
+            char *base = span_base(p);
             char *h = (char *)sp_tcache_span_of_((uintptr_t)p);
             size_t colour = (size_t)(h - base) / SPAN_HEADER;
             seen |= 1u << colour;
