@@ -52,18 +52,18 @@ static void between_frames(sp_frame_stats *st) {
     uint64_t t0 = sp_time_ns(), budget = sp_rt.desc.between_budget_ns;
     st->trimmed_bytes = sp_tcache_trim();
     atomic_fetch_add_explicit(&sp_rt.trim_epoch, 1, memory_order_relaxed);
-    /* A copy: a work may add or remove works (itself included) while it runs. */
-    between_work works[BETWEEN_MAX];
-    uint32_t n = sp_rt.between_count;
-    memcpy(works, sp_rt.between, n * sizeof works[0]);
-    for (uint32_t i = 0; i < n; i++) {
+    /* A work may add or remove works (itself included) while it runs: the walk reads the
+     * live list, and a removal before its position moves it back (sp_between_frames_remove). */
+    while (sp_rt.between_next < sp_rt.between_count) {
+        between_work w = sp_rt.between[sp_rt.between_next++];
         uint64_t spent = sp_time_ns() - t0;
         if (spent >= budget) {
             st->between_skipped++;
             continue;
         }
-        works[i].fn(works[i].user, budget - spent);
+        w.fn(w.user, budget - spent);
     }
+    sp_rt.between_next = 0;
     uint64_t spent = sp_time_ns() - t0;
     /* Jobs on counters of the caller's own may still run (background work across frames):
      * then compaction waits for a later frame instead of being refused as misuse. Asked once:
@@ -166,5 +166,6 @@ sp_result sp_between_frames_remove(sp_between_fn fn, void *user) {
     memmove(&sp_rt.between[i], &sp_rt.between[i + 1],
             (sp_rt.between_count - i - 1) * sizeof sp_rt.between[0]);
     sp_rt.between_count--;
+    if (i < sp_rt.between_next) sp_rt.between_next--; /* removed during the walk, behind it */
     return SP_OK;
 }

@@ -73,6 +73,7 @@ typedef struct runtime {
     bool compact_gate; /* between_frames asked already: the heap's may_compact says yes */
     between_work between[BETWEEN_MAX];
     uint32_t between_count;
+    uint32_t between_next; /* the next work between_frames runs; 0 outside its walk */
 } runtime;
 
 SP_HIDDEN extern runtime sp_rt;

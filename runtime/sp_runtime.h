@@ -268,7 +268,9 @@ sp_result sp_frame_stats_last(sp_frame_stats *out);
 
 /* Between-frames work: fn(user, budget_ns) runs in sp_frame_end on the main thread with the
  * time left of the budget (never called when none is left: counted in between_skipped). It
- * should return within that time. At most 16 works. Returns SP_OK, SP_ERR_LIMIT (full),
+ * should return within that time. At most 16 works. A work may add and remove works, itself
+ * included: a removed work is not called again, not even later in the same frame; an added
+ * one runs in that frame's turn after the works before it. Returns SP_OK, SP_ERR_LIMIT (full),
  * SP_ERR_INVALID_ARG (NULL fn, or the same fn and user twice), SP_ERR_SHUTDOWN. */
 typedef void (*sp_between_fn)(void *user, uint64_t budget_ns);
 sp_result sp_between_frames_add(const char *name, sp_between_fn fn, void *user);

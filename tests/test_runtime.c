@@ -277,6 +277,13 @@ static void work_once(void *user, uint64_t budget) {
     sp_between_frames_remove(work_once, user);
 }
 
+/* Removes the work (work_b, user) registered after it. */
+static void work_remove_b(void *user, uint64_t budget) {
+    (void)budget;
+    order[order_n++] = 7;
+    sp_between_frames_remove(work_b, user);
+}
+
 static atomic_int freed;
 static void count_free(void *p) {
     free(p);
@@ -334,6 +341,15 @@ static void test_between(void) {
     ok(order_n == 2 && order[0] == 9 && order[1] == 3,
        "a work that removes itself does not make the next one skip the frame");
     sp_between_frames_remove(work_b, &three);
+    /* A work that removes a later one (whose user it may then free): that one does not run. */
+    static int four = 4;
+    sp_between_frames_add("remove b", work_remove_b, &four);
+    sp_between_frames_add("b", work_b, &four);
+    order_n = 0;
+    sp_frame_begin();
+    sp_frame_end();
+    ok(order_n == 1 && order[0] == 7, "a work removed by an earlier one is not called that frame");
+    sp_between_frames_remove(work_remove_b, &four);
 
     /* Compaction between frames: holes left by frees are closed. */
     sp_handle_heap *hh = sp_handles();
