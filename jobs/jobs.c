@@ -97,6 +97,10 @@ static uint64_t records_outstanding(sp_jobs *s, uint64_t *done) {
     return SUM(s, taken) + atomic_load(&s->ext_taken) - *done;
 }
 
+uint64_t sp_jobs_run_count(sp_jobs *s) {
+    return SUM(s, done);
+}
+
 bool sp_jobs_idle(sp_jobs *s) {
     uint64_t done;
     return records_outstanding(s, &done) == 0;
@@ -365,7 +369,7 @@ void sp_jobs_status_get(sp_jobs *s, sp_jobs_status *out) {
     memset(out, 0, sizeof *out);
     out->workers = s->nworkers;
     out->jobs_submitted = SUM(s, submitted) + atomic_load(&s->ext_submitted);
-    out->jobs_run = SUM(s, done);
+    out->jobs_run = sp_jobs_run_count(s);
     out->jobs_stolen = SUM(s, stolen);
     out->parks = SUM(s, parks);
     out->sleeps = SUM(s, sleeps);

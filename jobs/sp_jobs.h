@@ -199,6 +199,10 @@ uint32_t sp_jobs_worker_id(void);
 /* Figures since create. Any thread; each field is read atomically, the set is not a snapshot. */
 void sp_jobs_status_get(sp_jobs *s, sp_jobs_status *out);
 
+/* Jobs finished since create (sp_jobs_status.jobs_run alone). Any thread; cost: O(workers)
+ * atomic loads, no lock. */
+uint64_t sp_jobs_run_count(sp_jobs *s);
+
 /* Whether nothing was live at one moment during the call: no job, batch piece, parked job or
  * deferred batch submitted and not yet finished (job records taken and returned balance; the
  * counts are read in the order that makes a balance mean it). A job still running makes it

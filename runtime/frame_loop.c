@@ -13,12 +13,6 @@ sp_result sp_submit(const sp_job_desc *jobs, uint32_t count, sp_counter *counter
     return sp_jobs_submit(sp_rt.jobs, jobs, count, counter ? counter : sp_rt.frame_counter);
 }
 
-static uint64_t jobs_run(void) {
-    sp_jobs_status js;
-    sp_jobs_status_get(sp_rt.jobs, &js);
-    return js.jobs_run;
-}
-
 /* Between frames with no job live; its callers have checked for the main thread. Asked once
  * by between_frames, which then lets the heap's own call through (`compact_gate`); asked by
  * the heap for a direct sp_handle_compact call. */
@@ -42,7 +36,7 @@ sp_result sp_frame_begin(void) {
     }
     __atomic_store_n(&sp_rt.in_frame, true, __ATOMIC_RELAXED); /* sp_status_get reads it */
     sp_rt.frame_t0 = sp_time_ns();
-    sp_rt.jobs_run_t0 = jobs_run();
+    sp_rt.jobs_run_t0 = sp_jobs_run_count(sp_rt.jobs);
     sp_rt.retired_t0 = atomic_load_explicit(&sp_rt.retire_count, memory_order_relaxed);
     return SP_OK;
 }
@@ -93,7 +87,7 @@ sp_result sp_frame_end(void) {
     r = sp_counter_wait(sp_rt.frame_counter, 0);
     if (r != SP_OK) return r; /* logged by the scheduler; the frame stays open */
     st.wait_ns = sp_time_ns() - t_wait;
-    st.jobs_run = jobs_run() - sp_rt.jobs_run_t0;
+    st.jobs_run = sp_jobs_run_count(sp_rt.jobs) - sp_rt.jobs_run_t0;
     __atomic_store_n(&sp_rt.in_frame, false, __ATOMIC_RELAXED);
 
     sp_frame_buffer_status closed;
