@@ -13,11 +13,9 @@
 
 #include <stddef.h>
 
-#ifndef __has_feature
-#define __has_feature(x) 0
-#endif
+#include "sp_platform.h" /* SP_ASAN */
 
-#if defined(__SANITIZE_ADDRESS__) || __has_feature(address_sanitizer)
+#if SP_ASAN
 #include <sanitizer/asan_interface.h>
 #define TRACK_ASAN 1
 #define TRACK_INTERNAL __attribute__((no_sanitize_address))

@@ -10,7 +10,7 @@
 #include "sp_platform.h"
 #include "track.h" /* TRACK_ASAN, TRACK_VALGRIND: the same detection as the allocators */
 
-#if defined(__SANITIZE_THREAD__) || __has_feature(thread_sanitizer)
+#if SP_TSAN
 #include <sanitizer/tsan_interface.h>
 #define FIBER_TSAN 1
 #else

@@ -7,7 +7,7 @@
 #include <string.h>
 #include <urcu/urcu-qsbr.h>
 
-#if defined(__SANITIZE_THREAD__) || SP_HAS_FEATURE(thread_sanitizer)
+#if SP_TSAN
 #include <sanitizer/tsan_interface.h>
 /* liburcu 0.13 is not instrumented: tell TSan that a grace period orders every access a
  * thread made before its quiescent state before the reclaimer's frees. */

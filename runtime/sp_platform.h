@@ -170,11 +170,22 @@ void sp_mutex_unlock(sp_mutex *m);
 #define SP_HAS_FEATURE(x) 0
 #endif
 
+/* SP_ASAN, SP_TSAN: 1 in builds under AddressSanitizer / ThreadSanitizer (gcc or clang). */
+#if defined(__SANITIZE_ADDRESS__) || SP_HAS_FEATURE(address_sanitizer)
+#define SP_ASAN 1
+#else
+#define SP_ASAN 0
+#endif
+#if defined(__SANITIZE_THREAD__) || SP_HAS_FEATURE(thread_sanitizer)
+#define SP_TSAN 1
+#else
+#define SP_TSAN 0
+#endif
+
 /* SP_INLINE_FAST_PATHS: 1 where the allocators compile their inline fast paths (thread caches,
  * frame arenas): SP_TLS_FRESH exists and no memory tool needs every call to go through the
  * out-of-line path that tells it about each block (ASan, -Dvalgrind=true). */
-#if defined(__SANITIZE_ADDRESS__) || SP_HAS_FEATURE(address_sanitizer) ||                          \
-    (defined(SP_TRACK_VALGRIND) && SP_TRACK_VALGRIND) || !defined(SP_TLS_FRESH)
+#if SP_ASAN || (defined(SP_TRACK_VALGRIND) && SP_TRACK_VALGRIND) || !defined(SP_TLS_FRESH)
 #define SP_INLINE_FAST_PATHS 0
 #else
 #define SP_INLINE_FAST_PATHS 1

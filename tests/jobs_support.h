@@ -21,18 +21,6 @@
 #define SP_DEBUG 0
 #endif
 
-#if defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define JT_TSAN 1
-#endif
-#endif
-#if defined(__SANITIZE_THREAD__) && !defined(JT_TSAN)
-#define JT_TSAN 1
-#endif
-#ifndef JT_TSAN
-#define JT_TSAN 0
-#endif
-
 /* ---- counting logger ------------------------------------------------------------------- */
 
 enum { JT_IDS = 16, JT_KEEP = 64 };
@@ -159,7 +147,7 @@ static inline void jt_on_alarm(int sig) {
 static inline void jt_deadline(const char *phase, unsigned seconds) {
     jt_phase = phase;
     signal(SIGALRM, jt_on_alarm);
-    alarm(JT_TSAN ? seconds * 8 : ts_sanitized() ? seconds * 3 : seconds);
+    alarm(SP_TSAN ? seconds * 8 : ts_sanitized() ? seconds * 3 : seconds);
 }
 
 /* ---- sweep ----------------------------------------------------------------------------- */

@@ -126,7 +126,7 @@ static void sweep(uint32_t workers) {
         ok(0, "%u workers: create", workers);
         return;
     }
-    const int jobs = JT_TSAN ? 16 : 64, rounds = JT_TSAN ? 10 : 40, max_tries = 50;
+    const int jobs = SP_TSAN ? 16 : 64, rounds = SP_TSAN ? 10 : 40, max_tries = 50;
     parent_arg *pa = calloc((size_t)jobs, sizeof *pa);
     sp_job_desc *d = calloc((size_t)jobs, sizeof *d);
     sp_counter *all = sp_counter_create(S, "parents");

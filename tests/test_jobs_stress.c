@@ -184,7 +184,7 @@ static void op_random(ts_rng *r) {
         if (t.payload != (t.seed ^ MAGIC)) atomic_fetch_add(&E.payload, 1);
         sp_counter_destroy(c);
     } else if (kind == 6) { /* parallel_for here, and from inside jobs */
-        uint64_t n = ts_rng_range(r, 0, JT_TSAN ? 2000 : 20000);
+        uint64_t n = ts_rng_range(r, 0, SP_TSAN ? 2000 : 20000);
         op_pfor(n, ts_rng_range(r, 0, 1) ? 0 : ts_rng_range(r, 1, 300));
         sp_job_desc d[3];
         for (int i = 0; i < 3; i++)
@@ -284,8 +284,8 @@ static void run(const jt_config *c, uint64_t seed) {
         ok(0, "%s: create", c->name);
         return;
     }
-    const int ops = (int)ts_scaled(3000, JT_TSAN ? 10 : 3);
-    const int job_producers = JT_TSAN ? 8 : 16;
+    const int ops = (int)ts_scaled(3000, SP_TSAN ? 10 : 3);
+    const int job_producers = SP_TSAN ? 8 : 16;
     sp_counter *finished = sp_counter_create(S, "producers");
     if (!finished) abort();
     producer p[EXTERNAL];

@@ -227,12 +227,6 @@ uint64_t ts_rng_range(ts_rng *r, uint64_t lo, uint64_t hi) {
 
 /* ---- sanitizers ------------------------------------------------------------------------ */
 
-#if defined(__has_feature)
-#define TS_HAS_FEATURE(x) __has_feature(x)
-#else
-#define TS_HAS_FEATURE(x) 0
-#endif
-
 #if defined(__has_include)
 #if __has_include(<valgrind/valgrind.h>)
 #include <valgrind/valgrind.h>
@@ -244,9 +238,7 @@ uint64_t ts_rng_range(ts_rng *r, uint64_t lo, uint64_t hi) {
 extern void __ubsan_handle_add_overflow(void) __attribute__((weak));
 
 bool ts_sanitized(void) {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__) ||                               \
-    TS_HAS_FEATURE(address_sanitizer) || TS_HAS_FEATURE(thread_sanitizer) ||                       \
-    TS_HAS_FEATURE(memory_sanitizer)
+#if SP_ASAN || SP_TSAN || SP_HAS_FEATURE(memory_sanitizer)
     return true;
 #else
     if (__ubsan_handle_add_overflow) return true;
