@@ -28,9 +28,9 @@ TRACK_INTERNAL sp_result sp_handle_heap_check(sp_handle_heap *h) {
             nholes++;
         } else {
             uint32_t i = id_index(h, b->id);
-            CHECK(i < h->slots_used && slot_id(slot_at(h, i)) == b->id &&
-                      slot_ptr(h, slot_at(h, i)) == blk_payload(b),
-                  b, "live block 0x%x and its slot disagree", b->id);
+            const sp_handle_slot *s = slot_live(h, b->id);
+            CHECK(s && slot_ptr(h, s) == blk_payload(b), b, "live block 0x%x and its slot disagree",
+                  b->id);
             CHECK(units_bytes(b->size) >= h->cold[i].size + sizeof(hblk), b, "block too small");
             CHECK(((uintptr_t)blk_payload(b) & (((uintptr_t)1 << h->cold[i].align_log2) - 1)) == 0,
                   b, "payload misaligned");
