@@ -466,25 +466,20 @@ sp_result sp_shutdown(void) {
 
 sp_result sp_thread_attach(void) {
     if (!rt_is_up("sp_thread_attach")) return SP_ERR_SHUTDOWN;
-    if (tls_attached) {
-        sp_log(SP_LOG_ERROR, SP_ERR_INVALID_ARG, "sp_thread_attach", NULL,
-               "the thread is already attached");
+    if (tls_attached || rt_main || sp_jobs_worker_id() != SP_JOBS_NOT_A_WORKER) {
+        sp_log(SP_LOG_ERROR, SP_ERR_INVALID_ARG, "sp_thread_attach", NULL, "%s",
+               tls_attached ? "the thread is already attached"
+                            : "workers and the main thread are attached by the runtime");
         return SP_ERR_INVALID_ARG;
     }
     /* Counted first, then `stopping` read (see runtime.stopping): past this, sp_shutdown
      * refuses, so the runtime's state (the caches) stays put under us. */
     atomic_fetch_add(&sp_rt.attached, 1);
-    sp_result r = SP_OK;
-    if (atomic_load(&sp_rt.stopping)) {
-        r = SP_ERR_SHUTDOWN;
+    sp_result r = SP_ERR_SHUTDOWN;
+    if (atomic_load(&sp_rt.stopping))
         sp_log(SP_LOG_ERROR, r, "sp_thread_attach", NULL, "sp_shutdown is running");
-    } else if (sp_jobs_worker_id() != SP_JOBS_NOT_A_WORKER || rt_main) {
-        r = SP_ERR_INVALID_ARG;
-        sp_log(SP_LOG_ERROR, r, "sp_thread_attach", NULL,
-               "workers and the main thread are attached by the runtime");
-    } else {
+    else
         r = sp_tcache_thread_attach();
-    }
     if (r != SP_OK) {
         atomic_fetch_sub(&sp_rt.attached, 1);
         return r;
