@@ -290,6 +290,16 @@ static void count_free(void *p) {
     atomic_fetch_add(&freed, 1);
 }
 
+/* Frames until `want` retired objects were freed, or `ns` passed. */
+static int frames_until_freed(int want, uint64_t ns) {
+    uint64_t t0 = sp_time_ns();
+    while (atomic_load(&freed) < want && sp_time_ns() - t0 < ns) {
+        sp_frame_begin();
+        sp_frame_end();
+    }
+    return atomic_load(&freed);
+}
+
 static void background_job(void *arg) {
     sp_counter_wait(arg, 0);
 }
@@ -405,12 +415,8 @@ static void test_between(void) {
     sp_frame_end();
     sp_frame_stats_last(&st);
     ok(st.retired == 3, "the frame counts 3 retired objects");
-    uint64_t t0 = sp_time_ns();
-    while (atomic_load(&freed) < 3 && sp_time_ns() - t0 < 5000000000u) {
-        sp_frame_begin();
-        sp_frame_end();
-    }
-    is_int(atomic_load(&freed), 3, "every retired object freed once after a grace period");
+    is_int(frames_until_freed(3, 5000000000u), 3,
+           "every retired object freed once after a grace period");
 
     /* The handle table grows from jobs during a frame: the old tables go through sp_retire. */
     sp_handle_heap_status_get(hh, &hst);
@@ -491,16 +497,6 @@ static void retire_one(void) {
     sp_frame_begin();
     sp_retire(malloc(32), count_free);
     sp_frame_end();
-}
-
-/* Frames until `want` retired objects were freed, or `ns` passed. */
-static int frames_until_freed(int want, uint64_t ns) {
-    uint64_t t0 = sp_time_ns();
-    while (atomic_load(&freed) < want && sp_time_ns() - t0 < ns) {
-        sp_frame_begin();
-        sp_frame_end();
-    }
-    return atomic_load(&freed);
 }
 
 static void *offline_thread(void *arg) {
