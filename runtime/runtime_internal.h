@@ -63,7 +63,8 @@ typedef struct runtime {
     _Atomic bool stopping;
     _Atomic uint64_t trim_epoch; /* bumped by sp_frame_end: workers trim when they go idle */
 
-    /* Frame loop (main thread only). */
+    /* Frame loop: written by the main thread only (in_frame and frame atomically: sp_status_get
+     * reads them from any thread). */
     bool in_frame;
     uint64_t frame;
     uint64_t frame_t0;

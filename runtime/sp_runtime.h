@@ -29,7 +29,9 @@
  * is not ordered with the frame loop, so: the frame arena is not for it (a buffer is reclaimed
  * under it), and in the handle heap it uses alloc, free, pin and unpin, not bare resolve (a
  * compaction step may move a resolved block at any time; it holds the heap lock, so alloc, free,
- * pin and unpin wait for it, and a pinned block never moves).
+ * pin and unpin wait for it, and a pinned block never moves). The jobs it submits follow the
+ * same handle rule: compaction checks once, before it starts, that no job is live, and a job
+ * submitted after that check runs beside it.
  *
  * Concurrency:
  *   sp_init, sp_shutdown, sp_frame_begin, sp_frame_end,      the main thread (the one that
@@ -52,8 +54,8 @@
  *                                                            lag by a frame)
  * Frame arena memory must not be allocated while sp_frame_end flips the buffers: jobs on
  * counters of your own that outlive a frame may use the thread caches and the handle heap,
- * not the arena. Handle-heap compaction in sp_frame_end waits for a later frame while any
- * job is live (sp_jobs_idle).
+ * not the arena. Handle-heap compaction in sp_frame_end waits for a later frame if a job is
+ * live when it would start (sp_jobs_idle, checked once: see attached threads above).
  *
  * Errors: calls before sp_init or after sp_shutdown, sp_init twice and sp_shutdown twice are
  * logged (SP_ERR_SHUTDOWN / SP_ERR_INVALID_ARG) and return an error or NULL; they never abort.
