@@ -7,12 +7,13 @@
  *
  * Allocation: each thread bump-allocates from a private chunk (chunk_size bytes, 256 KiB by
  * default) of the current buffer. Chunks are handed out from the bottom of the buffer: a
- * thread first gets back the chunks it had the last time the buffer came round, in the same
- * order, with no atomic operation and nothing shared written (each thread lists its claims on
- * a record of its own, which the closing frame reads to keep those chunks for it), so in a
- * steady frame loop each thread writes memory its own core wrote last (threads that traded
- * chunks between frames measured several times slower: bench/README.md, frame); otherwise it
- * takes a fresh chunk, one atomic add: a chunk that nobody asked to keep, or the next one up.
+ * thread first gets back the chunks it had the last time the buffer came round (its first 8
+ * claims of that frame), in the same order, with no atomic operation and nothing shared
+ * written (each thread lists its claims on a record of its own, which the closing frame reads
+ * to keep those chunks for it), so in a steady frame loop each thread writes memory its own
+ * core wrote last (in an uncommitted experiment, not a bench/ run, threads that traded chunks
+ * between frames were about 8x slower: bench/README.md, "Sticky chunks"); otherwise it takes a
+ * fresh chunk, one atomic add: a chunk that nobody asked to keep, or the next one up.
  * A kept chunk whose thread does not come back for it is lost for that frame. An arena has
  * records for 64 threads (a thread keeps its record for the arena's life, also when it
  * alternates with another arena of its slot); threads beyond claim fresh chunks only, each
