@@ -17,9 +17,11 @@
  * Order: sp_tcache_init (optional: the first call of any function below initialises with
  * defaults), then threads attach (explicitly, or implicitly on their first allocation) and
  * detach (explicitly, or at thread exit), then sp_tcache_shutdown when no other thread is
- * attached. A detaching cache returns its empty spans to the central heap and hands spans with
- * live blocks to an orphan list; other caches adopt them; blocks in them may still be freed
- * from anywhere. sp_tcache_trim returns every span that can be returned. A thread that frees
+ * attached. A detaching cache hands its spans with live blocks to the orphan list of their
+ * class, and its empty spans too, up to keep_detached a class (the rest go back to the central
+ * heap); other caches adopt orphans before they cut new blocks, so a thread that takes over an
+ * exited one's work reuses pages that are resident already; blocks in orphans may still be
+ * freed from anywhere. sp_tcache_trim returns every span that can be returned. A thread that frees
  * before it ever allocated attaches too (its remote frees are counted in its cache); after its
  * exit hook ran, a thread's calls go through one shared fallback cache under a lock.
  * sp_tcache_tls is an initial-exec thread-local: a shared library holding it must be loaded
@@ -82,6 +84,9 @@ typedef struct sp_tcache_desc {
     size_t max_class;    /* largest size served by classes (0: 32 KiB; at most 64 KiB;
                             rounded up to a class size) */
     uint32_t keep_empty; /* empty spans a cache keeps for reuse (0: 2) */
+    uint32_t keep_detached; /* empty spans per class that a detaching cache leaves, still cut
+                               into blocks, on the orphan lists for other caches (0: 8); its
+                               other empty spans go back to the central heap */
 } sp_tcache_desc;
 
 typedef struct sp_tcache_status {
@@ -126,8 +131,8 @@ size_t sp_tcache_shutdown(void);
  * lock and the registry lock. SP_OK, or SP_ERR_NOMEM. */
 sp_result sp_tcache_thread_attach(void);
 
-/* Hand the calling thread's cache back: inboxes collected, empty spans returned, spans with
- * live blocks orphaned for adoption. Runs by itself at thread exit. No-op if not attached.
+/* Hand the calling thread's cache back: inboxes collected, spans with live blocks orphaned
+ * for adoption, empty spans orphaned too up to keep_detached a class, the rest returned. Runs by itself at thread exit. No-op if not attached.
  * The thread may allocate again afterwards (it attaches again). Cost: O(spans held). */
 void sp_tcache_thread_detach(void);
 
@@ -145,8 +150,10 @@ size_t sp_tcache_trim(void);
  *                                                 check; the owner, interior and double-free
  *                                                 checks stay. Anything else is undefined
  * Cost: alloc is a table lookup and a pop; free is the pointer checks and a push (bench
- * `tcache local`: bench/README.md has the ratios to the peers); the slow path refills from inboxes, the span's unused tail,
- * other spans of the class, kept empty spans, orphans, then the central heap (one lock).
+ * `tcache local`: bench/README.md has the ratios to the peers); the slow path takes blocks that
+ * are carved already first (the span's inbox, other spans of the class, orphans of the class),
+ * then cuts new ones (the span's unused tail, other spans, kept empty spans, then a new span
+ * from the central heap: one lock).
  * alloc returns NULL when the heaps cannot grow. */
 
 /* Zeroed array of n * size bytes; NULL on overflow or out of memory. */

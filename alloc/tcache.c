@@ -60,11 +60,15 @@ static uint32_t class_start(uint32_t bs, uint32_t header_end) {
 static void classes_init(uint32_t max_class) {
     tc.class_count = tcache_class_of(max_class) + 1;
     tc.max_class = tcache_class_size(tc.class_count - 1);
+    memset(tc.direct_end, 0, sizeof tc.direct_end);
     for (uint32_t i = 0; i < SP_ARRAY_LEN(sp_tcache_g.class_of); i++) {
         size_t n = (size_t)i * 16;
         /* Too large for a class: a class index no cache ever fills (always the sentinel). */
-        sp_tcache_g.class_of[i] =
-            (uint8_t)(n <= tc.max_class ? tcache_class_of(n) : SP_TCACHE_CLASSES - 1);
+        uint8_t k = (uint8_t)(n <= tc.max_class ? tcache_class_of(n) : SP_TCACHE_CLASSES - 1);
+        sp_tcache_g.class_of[i] = k;
+        /* class_of never decreases: each class's entries are one run */
+        if (tc.direct_end[k] == 0) tc.direct_first[k] = (uint8_t)i;
+        tc.direct_end[k] = (uint8_t)(i + 1);
     }
 }
 
@@ -141,9 +145,13 @@ TRACK_INTERNAL uint32_t span_collect(span *s, cache *c) {
     return n;
 }
 
+/* Blocks ready without touching new memory: on the free list or in the inbox. */
+static bool span_has_ready(span *s) {
+    return span_free(s) != NULL || atomic_load_explicit(&s->inbox, memory_order_relaxed) != 0;
+}
+
 static bool span_has_room(span *s) {
-    return span_free(s) != NULL || s->pub.carved < s->capacity ||
-           atomic_load_explicit(&s->inbox, memory_order_relaxed) != 0;
+    return span_has_ready(s) || s->pub.carved < s->capacity;
 }
 
 /* A new span from the central span heap, formatted for class k; NULL if the heap cannot grow. */
@@ -205,8 +213,7 @@ void tcache_set_cur(cache *c, uint32_t k, span *s) {
     if (s != &tcache_sentinel)
         __atomic_store_n(&s->pub.head, s->pub.head + SPAN_CURRENT, __ATOMIC_RELAXED);
     c->pub.cur[k] = &s->pub;
-    for (uint32_t i = 0; i < SP_ARRAY_LEN(c->pub.direct); i++)
-        if (sp_tcache_g.class_of[i] == k) c->pub.direct[i] = &s->pub;
+    for (uint32_t i = tc.direct_first[k]; i < tc.direct_end[k]; i++) c->pub.direct[i] = &s->pub;
 }
 
 /* Make s the current span of its class; the old one (if any) joins the ring. */
@@ -220,15 +227,15 @@ static void make_current(cache *c, span *s, bool from_ring) {
     sp_mutex_unlock(&c->lock);
 }
 
-/* Look at up to SCAN spans of the ring (rotating it) for one with free blocks. */
-static span *ring_scan(cache *c, uint32_t k) {
+/* Look at up to SCAN spans of the ring (rotating it) for one that `room` accepts. */
+static span *ring_scan(cache *c, uint32_t k, bool (*room)(span *)) {
     enum { SCAN = 8 };
     if (!c->ring[k]) return NULL;
     span *found = NULL;
     sp_mutex_lock(&c->lock);
     for (int i = 0; i < SCAN && !found; i++) {
         span *s = c->ring[k];
-        if (span_has_room(s))
+        if (room(s))
             found = s;
         else
             c->ring[k] = s->next;
@@ -270,44 +277,63 @@ static span *orphan_adopt(cache *c, uint32_t k) {
     return s;
 }
 
-static void orphan_push(span *s) {
-    __atomic_store_n(&s->pub.owner, NULL, __ATOMIC_RELEASE);
-    __atomic_store_n(&s->owner_tid, 0, __ATOMIC_RELAXED);
-    s->prev = NULL;
+/* Hand s (not current, inbox collected) to the orphan list of its class. An empty s joins
+ * only while the class holds fewer than keep_detached orphans; false: not taken (the caller
+ * releases it). A span with live blocks is always taken. */
+static bool orphan_push(span *s) {
+    bool empty = span_used(s) == 0;
     sp_mutex_lock(&tc.orphan_lock);
-    s->next = tc.orphans[s->cls];
-    tc.orphans[s->cls] = s;
-    atomic_fetch_add_explicit(&tc.orphan_count[s->cls], 1, memory_order_relaxed);
+    bool take = !empty || atomic_load_explicit(&tc.orphan_count[s->cls], memory_order_relaxed) <
+                              tc.keep_detached;
+    if (take) {
+        __atomic_store_n(&s->pub.owner, NULL, __ATOMIC_RELEASE);
+        __atomic_store_n(&s->owner_tid, 0, __ATOMIC_RELAXED);
+        s->prev = NULL;
+        s->next = tc.orphans[s->cls];
+        tc.orphans[s->cls] = s;
+        atomic_fetch_add_explicit(&tc.orphan_count[s->cls], 1, memory_order_relaxed);
+    }
     sp_mutex_unlock(&tc.orphan_lock);
+    return take;
 }
 
 /* ---- the slow path of alloc ------------------------------------------------------------- */
 
-/* A block of class k from cache c when cur[k]'s free list is empty. NULL: out of memory. */
+/* A block of class k from cache c when cur[k]'s free list is empty. NULL: out of memory.
+ * Blocks that are ready (already carved, so their pages were touched) come before carving
+ * new ones: the current span's inbox, then a ring span's free list or inbox, then an orphan
+ * of the class (an exited thread's span: its free blocks, its inbox); only then carving, of
+ * the current span, of a ring span, of a kept empty span, of a new span. */
 TRACK_INTERNAL static sp_tcache_block *class_refill(cache *c, uint32_t k) {
     span *s = (span *)c->pub.cur[k];
-    if (s != &tcache_sentinel && (span_collect(s, c) || span_carve(s))) return span_free(s);
+    bool current = s != &tcache_sentinel;
+    if (current && span_collect(s, c)) return span_free(s);
     bool from_ring = true;
-    span *t = ring_scan(c, k);
+    span *t = ring_scan(c, k, span_has_ready);
+    if (!t) {
+        from_ring = false;
+        t = orphan_adopt(c, k);
+        if (t && !span_free(t)) {
+            sp_mutex_lock(&c->lock); /* nothing free: the ring's, carved when its turn comes */
+            ring_insert(c, t);
+            sp_mutex_unlock(&c->lock);
+            t = NULL;
+        }
+    }
+    if (!t) {
+        if (current && span_carve(s)) return span_free(s);
+        from_ring = true;
+        t = ring_scan(c, k, span_has_room);
+    }
     if (t) {
         span_collect(t, c);
-        if (!span_free(t)) span_carve(t);
     } else {
         from_ring = false;
         t = empty_take(c, k);
-        if (!t) {
-            t = orphan_adopt(c, k);
-            if (t && !span_free(t) && !span_carve(t)) {
-                sp_mutex_lock(&c->lock); /* full: keep it on the ring, take a new one */
-                ring_insert(c, t);
-                sp_mutex_unlock(&c->lock);
-                t = NULL;
-            }
-        }
         if (!t) t = span_new(c, k);
         if (!t) return NULL;
-        if (!span_free(t)) span_carve(t);
     }
+    if (!span_free(t)) span_carve(t);
     make_current(c, t, from_ring);
     return span_free(t);
 }
@@ -376,7 +402,9 @@ sp_tcache *tcache_create(void) {
     return &c->pub;
 }
 
-/* Hand back every span of c: empty ones to the heap, the rest to the orphan lists. */
+/* Hand back every span of c to the orphan lists of their classes: those with live blocks,
+ * and empty ones (still cut into blocks) while a class has fewer than keep_detached orphans;
+ * other empty spans go back to the central heap. */
 void tcache_cache_drain(cache *c) {
     for (uint32_t k = 0; k < SP_TCACHE_CLASSES; k++) {
         span *cur = (span *)c->pub.cur[k];
@@ -394,13 +422,19 @@ void tcache_cache_drain(cache *c) {
             span *s = ring;
             ring = s->next;
             span_collect(s, c);
-            if (span_used(s) == 0)
-                span_release(s);
-            else
-                orphan_push(s);
+            if (!orphan_push(s)) span_release(s);
         }
     }
-    tcache_empty_release(c);
+    sp_mutex_lock(&c->lock);
+    span *e = c->empty;
+    c->empty = NULL;
+    c->empty_count = 0;
+    sp_mutex_unlock(&c->lock);
+    while (e) {
+        span *s = e;
+        e = s->next;
+        if (!orphan_push(s)) span_release(s);
+    }
 }
 
 /* Return c's kept empty spans to the central heap; returns their bytes. */
@@ -745,6 +779,7 @@ static sp_result init_locked(const sp_tcache_desc *desc) {
         return sp_misuse(SP_ERR_INVALID_ARG, "sp_tcache_init", NULL, "max_class %zu is above %zu",
                          d.max_class, SP_TCACHE_MAX_CLASS_LIMIT);
     if (d.keep_empty == 0) d.keep_empty = 2;
+    if (d.keep_detached == 0) d.keep_detached = 8;
     size_t min_region = (size_t)64 << 20;
     if (d.region && d.region_size < min_region)
         return sp_misuse(SP_ERR_INVALID_ARG, "sp_tcache_init", d.region,
@@ -776,6 +811,7 @@ static sp_result init_locked(const sp_tcache_desc *desc) {
     tc.region_size = d.region_size;
     tc.own_region = !d.region;
     tc.keep_empty = d.keep_empty;
+    tc.keep_detached = d.keep_detached;
     sp_tcache_g.key = key_make();
     classes_init((uint32_t)d.max_class);
     size_t half = d.region_size / 2;

@@ -32,7 +32,9 @@ typedef struct tcache_state {
     size_t region_size;
     bool own_region;
     heap spans, large;
-    uint32_t max_class, class_count, keep_empty;
+    uint32_t max_class, class_count, keep_empty, keep_detached;
+    /* direct[] entries of class k: [direct_first[k], direct_end[k]) (end 0: none) */
+    uint8_t direct_first[SP_TCACHE_CLASSES], direct_end[SP_TCACHE_CLASSES];
 
     sp_mutex reg_lock; /* registry, cache_count, retired_* */
     cache *registry;

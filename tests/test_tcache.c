@@ -275,6 +275,56 @@ static void test_orphans(void) {
     for (int i = 0; i < 600; i++) sp_tcache_free(mine[i]);
 }
 
+enum { SPREAD = 16000 }; /* 48-byte blocks: three spans' worth */
+
+static void *thread_fills_frees_exits(void *arg) {
+    void **blocks = arg;
+    for (int i = 0; i < SPREAD; i++) blocks[i] = sp_tcache_alloc(48);
+    for (int i = 0; i < SPREAD; i++) sp_tcache_free(blocks[i]);
+    return NULL; /* exits with three empty spans: keep_detached (2) of them stay orphans */
+}
+
+/* An exited thread's empty spans stay cut into blocks on the orphan list (up to keep_detached
+ * a class, the rest go back to the heap), and the next cache that needs the class takes its
+ * blocks from them before it carves or takes a span of its own. */
+static void test_detached_reuse(void) {
+    static void *blocks[SPREAD];
+    sp_tcache_trim();
+    sp_tcache_status st;
+    sp_tcache_status_get(&st);
+    size_t orphaned0 = st.spans_orphaned;
+    sp_thread t;
+    sp_thread_start(&t, thread_fills_frees_exits, blocks, "sp-spread");
+    sp_thread_join(t);
+    uintptr_t theirs[8];
+    int spans = 0;
+    for (int i = 0; i < SPREAD; i++) {
+        uintptr_t b = (uintptr_t)span_base(blocks[i]);
+        if (spans == 0 || theirs[spans - 1] != b) theirs[spans < 8 ? spans++ : 7] = b;
+    }
+    sp_tcache_status_get(&st);
+    ok(spans == 3 && st.spans_orphaned - orphaned0 == 2,
+       "an exited thread's empty spans: %zu of its %d orphaned (keep_detached 2)",
+       st.spans_orphaned - orphaned0, spans);
+    sp_tcache_thread_detach();
+    sp_tcache_thread_attach(); /* a fresh cache: no spans of its own */
+    sp_tlsf_status before, after;
+    heap_status(&tc.spans, &before);
+    bool reused = true;
+    for (int i = 0; i < 4000; i++) {
+        void *p = blocks[i] = sp_tcache_alloc(48);
+        uintptr_t b = (uintptr_t)span_base(p);
+        reused = reused && (b == theirs[0] || b == theirs[1] || b == theirs[2]);
+    }
+    heap_status(&tc.spans, &after);
+    sp_tcache_status_get(&st);
+    ok(reused && after.live_blocks == before.live_blocks && st.spans_orphaned == orphaned0 + 1,
+       "the next cache takes the orphans' carved blocks first (no new span: %zu -> %zu; "
+       "orphans left %zu)",
+       before.live_blocks, after.live_blocks, st.spans_orphaned - orphaned0);
+    for (int i = 0; i < 4000; i++) sp_tcache_free(blocks[i]);
+}
+
 static void *remote_worker(void *arg) {
     void **blocks = arg;
     for (int i = 0; i < 1000; i++) sp_tcache_free(blocks[i]);
@@ -320,8 +370,8 @@ static void test_leak_check(void) {
 }
 
 int main(void) {
-    plan(31);
-    ok(sp_tcache_init(&(sp_tcache_desc){.region_size = (size_t)1 << 30}) == SP_OK, "init");
+    plan(33);
+    ok(sp_tcache_init(&(sp_tcache_desc){.region_size = (size_t)1 << 30, .keep_detached = 2}) == SP_OK, "init");
     test_classes();
     test_alloc_free();
     test_local();
@@ -331,6 +381,7 @@ int main(void) {
     test_colours();
     test_block_start();
     test_orphans();
+    test_detached_reuse();
     test_remote();
     test_leak_check();
     /* Lazy initialisation with defaults, after a shutdown. */
