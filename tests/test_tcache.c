@@ -190,6 +190,36 @@ static void test_hysteresis(void) {
     for (int i = 0; i < n; i++) sp_tcache_free(blocks[i]);
 }
 
+/* A refill takes blocks that are carved already (here: freed blocks of a full span on the
+ * ring) before it cuts new ones from the current span's untouched tail. */
+static void test_refill_reuses(void) {
+    enum { MAX = 400 };
+    const size_t bs = 1024;
+    static void *blocks[MAX];
+    sp_tcache_thread_detach();
+    sp_tcache_trim(); /* no orphans: the spans below are new, cut a page at a time */
+    sp_tcache_thread_attach();
+    int n = 0;
+    blocks[n++] = sp_tcache_alloc(bs);
+    char *span_a = span_base(blocks[0]);
+    while (n < MAX) { /* fill span A; the first block of span B ends the loop */
+        blocks[n] = sp_tcache_alloc(bs);
+        if (span_base(blocks[n++]) != span_a) break;
+    }
+    char *span_b = span_base(blocks[n - 1]);
+    /* B was carved a page's worth (4 blocks): take the other 3, so its free list is empty and
+     * its tail uncarved. */
+    for (int i = 0; i < 3; i++) blocks[n++] = sp_tcache_alloc(bs);
+    bool in_b = span_base(blocks[n - 1]) == span_b;
+    for (int i = 0; i < 8; i++) sp_tcache_free(blocks[i]); /* 8 free blocks in A (on the ring) */
+    void *next = sp_tcache_alloc(bs);
+    ok(n < MAX && in_b && span_b != span_a && span_base(next) == span_a,
+       "refill: a ring span's freed blocks before carving the current span (%s)",
+       span_base(next) == span_a ? "span A" : "span B");
+    sp_tcache_free(next);
+    for (int i = 8; i < n; i++) sp_tcache_free(blocks[i]);
+}
+
 /* Span headers sit at their colour offset: blocks of every class lie past the header and
  * inside the span, and the spans of one class spread over the colours. */
 static void test_colours(void) {
@@ -370,7 +400,7 @@ static void test_leak_check(void) {
 }
 
 int main(void) {
-    plan(33);
+    plan(34);
     ok(sp_tcache_init(&(sp_tcache_desc){.region_size = (size_t)1 << 30, .keep_detached = 2}) == SP_OK, "init");
     test_classes();
     test_alloc_free();
@@ -378,6 +408,7 @@ int main(void) {
     test_calloc_realloc();
     test_aligned();
     test_hysteresis();
+    test_refill_reuses();
     test_colours();
     test_block_start();
     test_orphans();
