@@ -144,12 +144,12 @@ sp_result sp_jobs_shutdown(sp_jobs *s) {
     for (uint32_t i = 0; i <= s->nworkers; i++) jobs_wake_if_idle(s, i);
     sp_counter_wait(s->drain, 0);
     /* Stop the workers: make each one's thread job ready; its loop switches back to it. */
-    for (uint32_t i = 1; i <= s->nworkers; i++) {
+    for (uint32_t i = 1; i <= s->started; i++) {
         worker *wk = &s->workers[i];
         wk->thread_job.next = NULL;
         jobs_chain_push(s, w, &wk->thread_job);
     }
-    for (uint32_t i = 1; i <= s->nworkers; i++) sp_thread_join(s->workers[i].thread);
+    for (uint32_t i = 1; i <= s->started; i++) sp_thread_join(s->workers[i].thread);
     if (s->watchdog_started) {
         atomic_store(&s->watchdog_stop, 1);
         sp_futex_wake((uint32_t *)&s->watchdog_stop, 1);
@@ -318,8 +318,7 @@ sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc) {
         char name[16];
         snprintf(name, sizeof name, "spindle-w%u", i);
         r = sp_thread_start(&s->workers[i].thread, worker_thread, &s->workers[i], name);
-        if (r != SP_OK) {
-            s->nworkers = i - 1; /* shutdown stops the ones that started */
+        if (r != SP_OK) { /* shutdown stops the ones that started */
             sp_jobs_shutdown(s);
             sp_fiber_thread_leave(main->thread_fiber);
             jobs_set_current_worker(NULL);
@@ -327,10 +326,10 @@ sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc) {
                 worker *w = &s->workers[k];
                 while (w->spare_count) sp_fiber_release(s->pool, w->spares[--w->spare_count]);
             }
-            s->nworkers = d.workers;
             jobs_free(s);
             return r;
         }
+        s->started = i;
     }
     if (SP_DEBUG >= 1 && d.watchdog_ms != UINT32_MAX) {
         if (sp_thread_start(&s->watchdog, watchdog_thread, s, "spindle-watch") == SP_OK)

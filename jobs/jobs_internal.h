@@ -154,6 +154,8 @@ struct pfor {
 struct sp_jobs {
     sp_jobs_desc desc; /* with defaults filled in */
     uint32_t nworkers; /* background workers; worker 0 is the main thread */
+    uint32_t started;  /* of them, threads started (shutdown stops and joins these); workers
+                          read nworkers, so it never changes while they run */
     worker *workers;   /* [0, nworkers] */
     sp_fiber_pool *pool;
     sp_mutex spare_lock; /* spares, spare_count: loop fibers no worker keeps */
