@@ -18,10 +18,12 @@
  * defaults), then threads attach (explicitly, or implicitly on their first allocation) and
  * detach (explicitly, or at thread exit), then sp_tcache_shutdown when no other thread is
  * attached. A detaching cache hands its spans with live blocks to the orphan list of their
- * class, and its empty spans too, up to keep_detached a class (the rest go back to the central
- * heap); other caches adopt orphans before they cut new blocks, so a thread that takes over an
- * exited one's work reuses pages that are resident already; blocks in orphans may still be
- * freed from anywhere. sp_tcache_trim returns every span that can be returned. A thread that frees
+ * class (other caches adopt them; their blocks may still be freed from anywhere) and keeps up
+ * to keep_detached empty spans a class, still cut into blocks, as spares (the rest go back to
+ * the central heap): a cache short of that class takes a spare before it cuts new blocks, and
+ * any cache takes one, cut anew, before it asks the heap for a span, so a thread that takes
+ * over an exited one's work reuses pages that are resident already. sp_tcache_trim returns
+ * every span that can be returned, spares included. A thread that frees
  * before it ever allocated attaches too (its remote frees are counted in its cache); after its
  * exit hook ran, a thread's calls go through one shared fallback cache under a lock.
  * sp_tcache_tls is an initial-exec thread-local: a shared library holding it must be loaded
@@ -84,9 +86,9 @@ typedef struct sp_tcache_desc {
     size_t max_class;    /* largest size served by classes (0: 32 KiB; at most 64 KiB;
                             rounded up to a class size) */
     uint32_t keep_empty; /* empty spans a cache keeps for reuse (0: 2) */
-    uint32_t keep_detached; /* empty spans per class that a detaching cache leaves, still cut
-                               into blocks, on the orphan lists for other caches (0: 8); its
-                               other empty spans go back to the central heap */
+    uint32_t keep_detached; /* spares per class: empty spans of detached caches kept, still
+                               cut into blocks, for other caches (0: 8); a detaching cache's
+                               empty spans beyond that go back to the central heap */
 } sp_tcache_desc;
 
 typedef struct sp_tcache_status {
@@ -103,7 +105,7 @@ typedef struct sp_tcache_status {
     size_t caches;           /* attached caches (status_local: 1 if attached) */
     size_t spans;            /* spans held by caches (in use or kept empty) */
     size_t spans_empty;      /* of which empty, kept for reuse */
-    size_t spans_orphaned;   /* spans of detached caches, waiting to be adopted */
+    size_t spans_orphaned;   /* spans of detached caches: orphans and spares (not in spans) */
     size_t large_blocks;     /* live blocks from the large heap */
     size_t remote_frees;     /* blocks pushed to another cache's inbox (cumulative) */
     size_t remote_collected; /* blocks taken back from inboxes (cumulative) */
@@ -132,12 +134,13 @@ size_t sp_tcache_shutdown(void);
 sp_result sp_tcache_thread_attach(void);
 
 /* Hand the calling thread's cache back: inboxes collected, spans with live blocks orphaned
- * for adoption, empty spans orphaned too up to keep_detached a class, the rest returned. Runs by itself at thread exit. No-op if not attached.
- * The thread may allocate again afterwards (it attaches again). Cost: O(spans held). */
+ * for adoption, empty spans kept as spares up to keep_detached a class, the rest returned.
+ * Runs by itself at thread exit. No-op if not attached. The thread may allocate again
+ * afterwards (it attaches again). Cost: O(spans held). */
 void sp_tcache_thread_detach(void);
 
 /* Return every span that can be returned: the calling thread's empty spans (its inboxes
- * collected first), empty orphaned spans (theirs collected). Returns the bytes returned to
+ * collected first), empty orphaned spans (theirs collected), the spares. Returns the bytes returned to
  * the central heap. Any thread; takes the orphan lock and heap lock. Cost: O(spans). */
 size_t sp_tcache_trim(void);
 
@@ -150,9 +153,10 @@ size_t sp_tcache_trim(void);
  *                                                 check; the owner, interior and double-free
  *                                                 checks stay. Anything else is undefined
  * Cost: alloc is a table lookup and a pop; free is the pointer checks and a push (bench
- * `tcache local`: bench/README.md has the ratios to the peers); the slow path takes blocks that
- * are carved already first (the span's inbox, other spans of the class, orphans of the class),
- * then cuts new ones (the span's unused tail, other spans, kept empty spans, then a new span
+ * `tcache local`: bench/README.md has the ratios to the peers); the slow path takes the span's
+ * inbox, then (while the class has at most 8 other spans) another span's free blocks if they
+ * are half a carve's worth, or a spare of the class; then it cuts new blocks (the span's unused
+ * tail, another span, a kept empty span, an orphan, a spare of another class, or a new span
  * from the central heap: one lock).
  * alloc returns NULL when the heaps cannot grow. */
 

@@ -145,17 +145,27 @@ TRACK_INTERNAL uint32_t span_collect(span *s, cache *c) {
     return n;
 }
 
-/* Blocks ready without touching new memory: on the free list or in the inbox. */
-static bool span_has_ready(span *s) {
-    return span_free(s) != NULL || atomic_load_explicit(&s->inbox, memory_order_relaxed) != 0;
-}
-
 static bool span_has_room(span *s) {
-    return span_has_ready(s) || s->pub.carved < s->capacity;
+    return span_free(s) != NULL || s->pub.carved < s->capacity ||
+           atomic_load_explicit(&s->inbox, memory_order_relaxed) != 0;
 }
 
-/* A new span from the central span heap, formatted for class k; NULL if the heap cannot grow. */
+/* Whether s (not current) holds at least half as many carved blocks, free or in its inbox,
+ * as one carve would cut: worth switching to instead of carving. Owner only. */
+static bool span_has_batch(span *s) {
+    uint32_t batch = 4096 / s->block_size;
+    uint32_t ready = s->pub.carved - span_used(s) +
+                     sp_tcache_count_(atomic_load_explicit(&s->inbox, memory_order_relaxed));
+    return 2 * ready >= (batch ? batch : 1);
+}
+
+static span *spare_take(cache *c, uint32_t k, bool any_class);
+
+/* A new span formatted for class k: a spare of any class, else one from the central span
+ * heap; NULL if the heap cannot grow. */
 static span *span_new(cache *c, uint32_t k) {
+    span *spare = spare_take(c, k, true);
+    if (spare) return spare;
     char *base = heap_alloc(&tc.spans, SP_TCACHE_SPAN, SP_TCACHE_SPAN - SPAN_TAIL);
     if (!base) return NULL;
     track_subpool_begin(base, SP_TCACHE_SPAN - SPAN_TAIL);
@@ -179,6 +189,7 @@ TRACK_INTERNAL void span_release(span *s) {
 
 static void ring_insert(cache *c, span *s) {
     span **head = &c->ring[s->cls];
+    c->ring_len[s->cls]++;
     if (!*head) {
         s->next = s->prev = s;
         *head = s;
@@ -192,6 +203,7 @@ static void ring_insert(cache *c, span *s) {
 
 void tcache_ring_remove(cache *c, span *s) {
     span **head = &c->ring[s->cls];
+    c->ring_len[s->cls]--;
     if (s->next == s) {
         *head = NULL;
     } else {
@@ -227,13 +239,12 @@ static void make_current(cache *c, span *s, bool from_ring) {
     sp_mutex_unlock(&c->lock);
 }
 
-/* Look at up to SCAN spans of the ring (rotating it) for one that `room` accepts. */
-static span *ring_scan(cache *c, uint32_t k, bool (*room)(span *)) {
-    enum { SCAN = 8 };
+/* Look at up to `scan` spans of the ring (rotating it) for one that `room` accepts. */
+static span *ring_scan(cache *c, uint32_t k, uint32_t scan, bool (*room)(span *)) {
     if (!c->ring[k]) return NULL;
     span *found = NULL;
     sp_mutex_lock(&c->lock);
-    for (int i = 0; i < SCAN && !found; i++) {
+    for (uint32_t i = 0; i < scan && !found; i++) {
         span *s = c->ring[k];
         if (room(s))
             found = s;
@@ -277,59 +288,98 @@ static span *orphan_adopt(cache *c, uint32_t k) {
     return s;
 }
 
-/* Hand s (not current, inbox collected) to the orphan list of its class. An empty s joins
- * only while the class holds fewer than keep_detached orphans; false: not taken (the caller
- * releases it). A span with live blocks is always taken. */
+/* Hand s (not current, inbox collected) to the orphan list (live blocks) or, while its class
+ * has fewer than keep_detached, the spare list (empty) of its class. False: an empty s was not
+ * taken (the caller releases it). */
 static bool orphan_push(span *s) {
-    bool empty = span_used(s) == 0;
+    uint32_t k = s->cls;
+    bool spare = span_used(s) == 0;
     sp_mutex_lock(&tc.orphan_lock);
-    bool take = !empty || atomic_load_explicit(&tc.orphan_count[s->cls], memory_order_relaxed) <
+    bool take = !spare || atomic_load_explicit(&tc.spare_count[k], memory_order_relaxed) <
                               tc.keep_detached;
     if (take) {
         __atomic_store_n(&s->pub.owner, NULL, __ATOMIC_RELEASE);
         __atomic_store_n(&s->owner_tid, 0, __ATOMIC_RELAXED);
         s->prev = NULL;
-        s->next = tc.orphans[s->cls];
-        tc.orphans[s->cls] = s;
-        atomic_fetch_add_explicit(&tc.orphan_count[s->cls], 1, memory_order_relaxed);
+        span **list = spare ? &tc.spares[k] : &tc.orphans[k];
+        s->next = *list;
+        *list = s;
+        atomic_fetch_add_explicit(spare ? &tc.spare_count[k] : &tc.orphan_count[k], 1,
+                                  memory_order_relaxed);
+        if (spare) atomic_fetch_add_explicit(&tc.spare_total, 1, memory_order_relaxed);
     }
     sp_mutex_unlock(&tc.orphan_lock);
     return take;
 }
 
+/* Take a spare of class k (any_class: of any class, k's first, reformatted for k) for c; NULL
+ * if there is none. */
+static span *spare_take(cache *c, uint32_t k, bool any_class) {
+    if (atomic_load_explicit(any_class ? &tc.spare_total : &tc.spare_count[k],
+                             memory_order_relaxed) == 0)
+        return NULL;
+    span *s = NULL;
+    sp_mutex_lock(&tc.orphan_lock);
+    for (uint32_t i = 0; i < SP_TCACHE_CLASSES && !s; i++) {
+        uint32_t j = (k + i) % SP_TCACHE_CLASSES;
+        if ((s = tc.spares[j]) != NULL) {
+            tc.spares[j] = s->next;
+            atomic_fetch_sub_explicit(&tc.spare_count[j], 1, memory_order_relaxed);
+            atomic_fetch_sub_explicit(&tc.spare_total, 1, memory_order_relaxed);
+        }
+        if (!any_class) break;
+    }
+    sp_mutex_unlock(&tc.orphan_lock);
+    if (!s) return NULL;
+    if (s->cls != k) {
+        span_format(s, c, k); /* its blocks were all free: cut anew */
+        return s;
+    }
+    s->next = s->prev = NULL;
+    __atomic_store_n(&s->owner_tid, c->tid, __ATOMIC_RELAXED);
+    __atomic_store_n(&s->pub.owner, &c->pub, __ATOMIC_RELEASE);
+    return s;
+}
+
 /* ---- the slow path of alloc ------------------------------------------------------------- */
 
 /* A block of class k from cache c when cur[k]'s free list is empty. NULL: out of memory.
- * Blocks that are ready (already carved, so their pages were touched) come before carving
- * new ones: the current span's inbox, then a ring span's free list or inbox, then an orphan
- * of the class (an exited thread's span: its free blocks, its inbox); only then carving, of
- * the current span, of a ring span, of a kept empty span, of a new span. */
+ * Carved blocks before new ones where that is cheap: the current span's inbox; then, while
+ * the class has at most REUSE_RING spans on its ring, a ring span holding half a carve's worth
+ * (free or in its inbox), and a spare of the class (an exited thread's empty span: resident
+ * pages). Only then new blocks: the current span's uncut tail, other ring spans, kept empty
+ * spans, orphans, a spare of another class or a new span. A long ring is not searched first:
+ * its spans are mostly full, and looking at them on every refill cost more than carving. */
 TRACK_INTERNAL static sp_tcache_block *class_refill(cache *c, uint32_t k) {
+    enum { REUSE_RING = 8 };
     span *s = (span *)c->pub.cur[k];
     bool current = s != &tcache_sentinel;
     if (current && span_collect(s, c)) return span_free(s);
     bool from_ring = true;
-    span *t = ring_scan(c, k, span_has_ready);
+    span *t = c->ring_len[k] <= REUSE_RING ? ring_scan(c, k, REUSE_RING, span_has_batch) : NULL;
     if (!t) {
         from_ring = false;
-        t = orphan_adopt(c, k);
-        if (t && !span_free(t)) {
-            sp_mutex_lock(&c->lock); /* nothing free: the ring's, carved when its turn comes */
-            ring_insert(c, t);
-            sp_mutex_unlock(&c->lock);
-            t = NULL;
-        }
+        t = spare_take(c, k, false);
     }
     if (!t) {
         if (current && span_carve(s)) return span_free(s);
         from_ring = true;
-        t = ring_scan(c, k, span_has_room);
+        t = ring_scan(c, k, 8, span_has_room);
     }
     if (t) {
         span_collect(t, c);
     } else {
         from_ring = false;
         t = empty_take(c, k);
+        if (!t) {
+            t = orphan_adopt(c, k);
+            if (t && !span_free(t) && !span_carve(t)) {
+                sp_mutex_lock(&c->lock); /* full: keep it on the ring, take a new one */
+                ring_insert(c, t);
+                sp_mutex_unlock(&c->lock);
+                t = NULL;
+            }
+        }
         if (!t) t = span_new(c, k);
         if (!t) return NULL;
     }
@@ -402,9 +452,9 @@ sp_tcache *tcache_create(void) {
     return &c->pub;
 }
 
-/* Hand back every span of c to the orphan lists of their classes: those with live blocks,
- * and empty ones (still cut into blocks) while a class has fewer than keep_detached orphans;
- * other empty spans go back to the central heap. */
+/* Hand back every span of c: those with live blocks to the orphan lists, empty ones (still
+ * cut into blocks) to the spare lists while a class has fewer than keep_detached spares, the
+ * other empty ones to the central heap. */
 void tcache_cache_drain(cache *c) {
     for (uint32_t k = 0; k < SP_TCACHE_CLASSES; k++) {
         span *cur = (span *)c->pub.cur[k];
@@ -412,6 +462,7 @@ void tcache_cache_drain(cache *c) {
         tcache_set_cur(c, k, &tcache_sentinel);
         span *ring = c->ring[k];
         c->ring[k] = NULL;
+        c->ring_len[k] = 0;
         sp_mutex_unlock(&c->lock);
         if (ring) ring->prev->next = NULL; /* open the circle */
         if (cur != &tcache_sentinel) {

@@ -42,9 +42,15 @@ typedef struct tcache_state {
     size_t retired_remote_frees, retired_collected;
     _Atomic size_t unattached_remote_frees, orphan_collected;
 
-    sp_mutex orphan_lock;
-    span *orphans[SP_TCACHE_CLASSES];
+    sp_mutex orphan_lock; /* orphans and spares */
+    span *orphans[SP_TCACHE_CLASSES]; /* spans of detached caches with live blocks */
     _Atomic size_t orphan_count[SP_TCACHE_CLASSES];
+    /* Empty spans of detached caches, still cut into blocks of their class (at most
+     * keep_detached a class): taken before carving by a cache short of that class, and by
+     * any cache, reformatted, before the span heap is asked for a new span. */
+    span *spares[SP_TCACHE_CLASSES];
+    _Atomic size_t spare_count[SP_TCACHE_CLASSES];
+    _Atomic size_t spare_total;
 
     sp_mutex fallback_lock; /* the fallback cache of exited threads */
     cache fallback;

@@ -5,7 +5,8 @@
  * past the header; the bytes before the header stay unused). Every span is, at
  * any time, exactly one of: the current span of its class in its owner's cache (the count
  * of its owner word `head` carries SPAN_CURRENT), on its owner's ring of that class, on its
- * owner's empty list (count 0), on the global orphan list of its class (owner NULL), or free in the
+ * owner's empty list (count 0), on the global orphan list of its class (owner NULL, live
+ * blocks), on the global spare list of its class (owner NULL, count 0), or free in the
  * central span heap (magic and owner cleared). Only the owner (or, for orphans, the orphan lock
  * holder) touches `head`, `carved` and the list links; any thread pushes onto `inbox`.
  */
@@ -95,6 +96,7 @@ SP_INLINE size_t span_area(const span *s) {
 typedef struct cache {
     sp_tcache pub;                 /* cur[]: read by the inline alloc path */
     span *ring[SP_TCACHE_CLASSES]; /* other spans of each class, circular, NULL if none */
+    uint32_t ring_len[SP_TCACHE_CLASSES]; /* spans on each ring */
     span *empty;                   /* empty spans kept for reuse */
     uint32_t empty_count;
     sp_mutex lock;       /* list structure (cur, ring, empty) against status readers */

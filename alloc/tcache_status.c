@@ -6,12 +6,17 @@
 #include "tcache_heap.h"
 #include "track.h"
 
-/* Add span s (of a cache or an orphan) to the figures. */
-static void span_count(const span *s, sp_tcache_status *st, bool empty_list) {
+/* Add span s to the figures: held by a cache (on its empty list: empty_list), or detached (an
+ * orphan or a spare). */
+static void span_count(const span *s, sp_tcache_status *st, bool empty_list, bool detached) {
     uint32_t used = span_used(s);
     uint32_t bs = s->block_size;
-    st->spans += !empty_list;
-    st->spans_empty += empty_list || used == 0;
+    if (detached) {
+        st->spans_orphaned++;
+    } else {
+        st->spans++;
+        st->spans_empty += empty_list || used == 0;
+    }
     st->live_blocks += used;
     st->class_live[s->cls] += used;
     st->bytes_used += (size_t)used * bs;
@@ -24,20 +29,17 @@ static void cache_count(cache *c, sp_tcache_status *st) {
     sp_mutex_lock(&c->lock);
     for (uint32_t k = 0; k < SP_TCACHE_CLASSES; k++) {
         span *cur = (span *)c->pub.cur[k];
-        if (cur != &tcache_sentinel) span_count(cur, st, false);
+        if (cur != &tcache_sentinel) span_count(cur, st, false, false);
         span *r = c->ring[k];
         if (r) {
             span *s = r;
             do {
-                span_count(s, st, false);
+                span_count(s, st, false, false);
                 s = s->next;
             } while (s != r);
         }
     }
-    for (span *s = c->empty; s; s = s->next) {
-        span_count(s, st, true);
-        st->spans++;
-    }
+    for (span *s = c->empty; s; s = s->next) span_count(s, st, true, false);
     sp_mutex_unlock(&c->lock);
     st->remote_frees += __atomic_load_n(&c->remote_frees, __ATOMIC_RELAXED);
     st->remote_collected += __atomic_load_n(&c->remote_collected, __ATOMIC_RELAXED);
@@ -71,15 +73,12 @@ void sp_tcache_status_get(sp_tcache_status *st) {
     sp_mutex_lock(&tc.fallback_lock);
     cache_count(&tc.fallback, st);
     sp_mutex_unlock(&tc.fallback_lock);
-    st->spans_orphaned = 0;
     sp_mutex_lock(&tc.orphan_lock);
-    for (uint32_t k = 0; k < SP_TCACHE_CLASSES; k++)
-        for (span *s = tc.orphans[k]; s; s = s->next) {
-            span_count(s, st, false);
-            st->spans_orphaned++;
-        }
+    for (uint32_t k = 0; k < SP_TCACHE_CLASSES; k++) {
+        for (span *s = tc.orphans[k]; s; s = s->next) span_count(s, st, false, true);
+        for (span *s = tc.spares[k]; s; s = s->next) span_count(s, st, false, true);
+    }
     sp_mutex_unlock(&tc.orphan_lock);
-    st->spans -= st->spans_orphaned;
     st->remote_frees += atomic_load_explicit(&tc.unattached_remote_frees, memory_order_relaxed);
     st->remote_collected += atomic_load_explicit(&tc.orphan_collected, memory_order_relaxed);
     st->remote_pending =
@@ -164,6 +163,14 @@ size_t sp_tcache_trim(void) {
             } else {
                 link = &s->next;
             }
+        }
+        while (tc.spares[k]) {
+            span *s = tc.spares[k];
+            tc.spares[k] = s->next;
+            atomic_fetch_sub_explicit(&tc.spare_count[k], 1, memory_order_relaxed);
+            atomic_fetch_sub_explicit(&tc.spare_total, 1, memory_order_relaxed);
+            span_release(s);
+            bytes += SP_TCACHE_SPAN;
         }
     }
     sp_mutex_unlock(&tc.orphan_lock);

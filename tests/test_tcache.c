@@ -311,12 +311,13 @@ static void *thread_fills_frees_exits(void *arg) {
     void **blocks = arg;
     for (int i = 0; i < SPREAD; i++) blocks[i] = sp_tcache_alloc(48);
     for (int i = 0; i < SPREAD; i++) sp_tcache_free(blocks[i]);
-    return NULL; /* exits with three empty spans: keep_detached (2) of them stay orphans */
+    return NULL; /* exits with three empty spans: keep_detached (2) of them stay as spares */
 }
 
-/* An exited thread's empty spans stay cut into blocks on the orphan list (up to keep_detached
- * a class, the rest go back to the heap), and the next cache that needs the class takes its
- * blocks from them before it carves or takes a span of its own. */
+/* An exited thread's empty spans stay cut into blocks as spares (up to keep_detached a class,
+ * the rest go back to the heap); the next cache that needs the class takes their blocks
+ * before it carves or takes a span of its own, and another class takes a spare, cut anew,
+ * before a new span. */
 static void test_detached_reuse(void) {
     static void *blocks[SPREAD];
     sp_tcache_trim();
@@ -334,7 +335,7 @@ static void test_detached_reuse(void) {
     }
     sp_tcache_status_get(&st);
     ok(spans == 3 && st.spans_orphaned - orphaned0 == 2,
-       "an exited thread's empty spans: %zu of its %d orphaned (keep_detached 2)",
+       "an exited thread's empty spans: %zu of its %d kept as spares (keep_detached 2)",
        st.spans_orphaned - orphaned0, spans);
     sp_tcache_thread_detach();
     sp_tcache_thread_attach(); /* a fresh cache: no spans of its own */
@@ -349,9 +350,21 @@ static void test_detached_reuse(void) {
     heap_status(&tc.spans, &after);
     sp_tcache_status_get(&st);
     ok(reused && after.live_blocks == before.live_blocks && st.spans_orphaned == orphaned0 + 1,
-       "the next cache takes the orphans' carved blocks first (no new span: %zu -> %zu; "
-       "orphans left %zu)",
+       "the next cache takes the spares' carved blocks first (no new span: %zu -> %zu; "
+       "spares left %zu)",
        before.live_blocks, after.live_blocks, st.spans_orphaned - orphaned0);
+    ok(st.spans_empty <= st.spans, "spares are not counted as the caches' empty spans (%zu of %zu)",
+       st.spans_empty, st.spans);
+    /* A class with no spares of its own takes the last one, cut anew, before a new span. */
+    void *big = sp_tcache_alloc(2048);
+    heap_status(&tc.spans, &after);
+    sp_tcache_status_get(&st);
+    uintptr_t b = (uintptr_t)span_base(big);
+    ok((b == theirs[0] || b == theirs[1] || b == theirs[2]) &&
+           after.live_blocks == before.live_blocks && st.spans_orphaned == orphaned0,
+       "another class takes a spare before the heap (spans %zu -> %zu, spares left %zu)",
+       before.live_blocks, after.live_blocks, st.spans_orphaned - orphaned0);
+    sp_tcache_free(big);
     for (int i = 0; i < 4000; i++) sp_tcache_free(blocks[i]);
 }
 
@@ -400,7 +413,7 @@ static void test_leak_check(void) {
 }
 
 int main(void) {
-    plan(34);
+    plan(36);
     ok(sp_tcache_init(&(sp_tcache_desc){.region_size = (size_t)1 << 30, .keep_detached = 2}) == SP_OK, "init");
     test_classes();
     test_alloc_free();
