@@ -241,8 +241,8 @@ static void *chunk_bump(sp_frame_chunk *c, size_t align, size_t size) {
 }
 
 /* A range of its own in b for a request (large, or too large for a fresh chunk), taken from
- * the top down, never below the chunk floor: a CAS loop on hi, exact (no chunk tail is lost). NULL: it
- * does not fit. */
+ * the top down, never below the chunk floor: a CAS loop on hi, exact (no chunk tail is lost).
+ * NULL: it does not fit. */
 static void *direct_take(sp_frame_arena *a, frame_buffer *b, size_t align, size_t size) {
     if (size > a->capacity) return NULL; /* alloc_any sent alignments above it to overflow */
     size_t n = sp_align_up(size, 16);

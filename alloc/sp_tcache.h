@@ -140,8 +140,9 @@ sp_result sp_tcache_thread_attach(void);
 void sp_tcache_thread_detach(void);
 
 /* Return every span that can be returned: the calling thread's empty spans (its inboxes
- * collected first), empty orphaned spans (theirs collected), the spares. Returns the bytes returned to
- * the central heap. Any thread; takes the orphan lock and heap lock. Cost: O(spans). */
+ * collected first), empty orphaned spans (theirs collected), the spares. Returns the bytes
+ * returned to the central heap. Any thread; takes the orphan lock and heap lock.
+ * Cost: O(spans). */
 size_t sp_tcache_trim(void);
 
 /* ---- allocation: inline fast paths below, their out-of-line rest in tcache.c ------------- */

@@ -172,7 +172,8 @@ sp_result sp_shutdown(void);
  * reclamation knows about the thread). Returns SP_OK; SP_ERR_SHUTDOWN before init, after
  * shutdown, or when it ran into an sp_shutdown in progress (which may then still have
  * refused: SP_ERR_SHUTDOWN does not say the runtime is going down; try again later);
- * SP_ERR_INVALID_ARG on a worker, the main thread or an already attached thread. An attach that gets past sp_shutdown's check makes it refuse. */
+ * SP_ERR_INVALID_ARG on a worker, the main thread or an already attached thread. An attach
+ * that gets past sp_shutdown's check makes it refuse. */
 sp_result sp_thread_attach(void);
 
 /* Detach: the cache is handed back, the QSBR registration ends. Before the thread exits and

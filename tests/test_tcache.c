@@ -414,7 +414,8 @@ static void test_leak_check(void) {
 
 int main(void) {
     plan(36);
-    ok(sp_tcache_init(&(sp_tcache_desc){.region_size = (size_t)1 << 30, .keep_detached = 2}) == SP_OK, "init");
+    sp_tcache_desc desc = {.region_size = (size_t)1 << 30, .keep_detached = 2};
+    ok(sp_tcache_init(&desc) == SP_OK, "init");
     test_classes();
     test_alloc_free();
     test_local();
