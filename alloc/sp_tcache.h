@@ -18,12 +18,13 @@
  * defaults), then threads attach (explicitly, or implicitly on their first allocation) and
  * detach (explicitly, or at thread exit), then sp_tcache_shutdown when no other thread is
  * attached. A detaching cache hands its spans with live blocks to the orphan list of their
- * class (other caches adopt them; their blocks may still be freed from anywhere) and keeps up
- * to keep_detached empty spans a class, still cut into blocks, as spares (the rest go back to
- * the central heap): a cache short of that class takes a spare before it cuts new blocks, and
- * any cache takes one, cut anew, before it asks the heap for a span, so a thread that takes
- * over an exited one's work reuses pages that are resident already. sp_tcache_trim returns
- * every span that can be returned, spares included. A thread that frees
+ * class (other caches adopt them; their blocks may still be freed from anywhere) and its
+ * empty spans, still cut into blocks, to the spare list of their class while that list holds
+ * fewer than keep_detached (one cap per class for the process; the rest go back to the
+ * central heap): a cache short of that class takes a spare before it cuts new blocks, and any
+ * cache takes one, cut anew, before it asks the heap for a span, so a thread that takes over
+ * an exited one's work reuses pages that are resident already. sp_tcache_trim returns the
+ * caller's empty spans, the empty orphans and the spares. A thread that frees
  * before it ever allocated attaches too (its remote frees are counted in its cache); after its
  * exit hook ran, a thread's calls go through one shared fallback cache under a lock.
  * sp_tcache_tls is an initial-exec thread-local: a shared library holding it must be loaded
@@ -94,11 +95,12 @@ typedef struct sp_tcache_desc {
 typedef struct sp_tcache_status {
     /* Same figures as sp_tlsf_status, over everything the thread caches hand out. */
     size_t bytes_used;     /* granted bytes of live blocks (class sizes; TLSF usable sizes) */
-    size_t bytes_free;     /* free bytes in spans held by caches, plus the large heap's */
+    size_t bytes_free;     /* free bytes in spans of caches, orphans and spares, plus the
+                              heaps' */
     size_t bytes_overhead; /* span headers and tails, TLSF overhead */
     size_t largest_free;   /* largest request that surely succeeds without growing */
     size_t live_blocks;
-    size_t free_blocks;   /* free small blocks in held spans (carved or not) */
+    size_t free_blocks;   /* free small blocks in spans of caches, orphans and spares */
     size_t high_water;    /* peak bytes the caches and large blocks took from the heaps */
     double fragmentation; /* as sp_tlsf_status, of the large heap */
     /* Thread caches. */
@@ -134,15 +136,16 @@ size_t sp_tcache_shutdown(void);
 sp_result sp_tcache_thread_attach(void);
 
 /* Hand the calling thread's cache back: inboxes collected, spans with live blocks orphaned
- * for adoption, empty spans kept as spares up to keep_detached a class, the rest returned.
+ * for adoption, empty spans kept as spares while their class has fewer than keep_detached,
+ * the rest returned.
  * Runs by itself at thread exit. No-op if not attached. The thread may allocate again
  * afterwards (it attaches again). Cost: O(spans held). */
 void sp_tcache_thread_detach(void);
 
-/* Return every span that can be returned: the calling thread's empty spans (its inboxes
- * collected first), empty orphaned spans (theirs collected), the spares. Returns the bytes
- * returned to the central heap. Any thread; takes the orphan lock and heap lock.
- * Cost: O(spans). */
+/* Return the calling thread's empty spans (its inboxes collected first), the shared fallback
+ * cache's, empty orphaned spans (theirs collected) and the spares; other attached caches keep
+ * theirs. Returns the bytes returned to the central heap. Any thread; takes the fallback,
+ * orphan and heap locks. Cost: O(spans). */
 size_t sp_tcache_trim(void);
 
 /* ---- allocation: inline fast paths below, their out-of-line rest in tcache.c ------------- */
@@ -155,10 +158,10 @@ size_t sp_tcache_trim(void);
  *                                                 checks stay. Anything else is undefined
  * Cost: alloc is a table lookup and a pop; free is the pointer checks and a push (bench
  * `tcache local`: bench/README.md has the ratios to the peers); the slow path takes the span's
- * inbox, then (while the class has at most 8 other spans) another span's free blocks if they
- * are half a carve's worth, or a spare of the class; then it cuts new blocks (the span's unused
- * tail, another span, a kept empty span, an orphan, a spare of another class, or a new span
- * from the central heap: one lock).
+ * inbox, then (only while the class has at most 8 other spans) another span's free blocks if
+ * they are half a carve's worth, then a spare of the class; then it cuts new blocks (the
+ * span's unused tail, another span, a kept empty span, an orphan, a spare of another class,
+ * or a new span from the central heap: one lock).
  * alloc returns NULL when the heaps cannot grow. */
 
 /* Zeroed array of n * size bytes; NULL on overflow or out of memory. */

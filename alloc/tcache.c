@@ -344,12 +344,13 @@ static span *spare_take(cache *c, uint32_t k, bool any_class) {
 /* ---- the slow path of alloc ------------------------------------------------------------- */
 
 /* A block of class k from cache c when cur[k]'s free list is empty. NULL: out of memory.
- * Carved blocks before new ones where that is cheap: the current span's inbox; then, while
- * the class has at most REUSE_RING spans on its ring, a ring span holding half a carve's worth
- * (free or in its inbox), and a spare of the class (an exited thread's empty span: resident
- * pages). Only then new blocks: the current span's uncut tail, other ring spans, kept empty
- * spans, orphans, a spare of another class or a new span. A long ring is not searched first:
- * its spans are mostly full, and looking at them on every refill cost more than carving. */
+ * Carved blocks before new ones where that is cheap: the current span's inbox; then, only
+ * while the class has at most REUSE_RING spans on its ring, a ring span holding half a carve's
+ * worth (free or in its inbox); then a spare of the class (an exited thread's empty span:
+ * resident pages). Only then new blocks: the current span's uncut tail, other ring spans,
+ * kept empty spans, orphans, a spare of another class or a new span. A long ring is not
+ * searched first: its spans are mostly full, and looking at them on every refill cost more
+ * than carving. */
 TRACK_INTERNAL static sp_tcache_block *class_refill(cache *c, uint32_t k) {
     enum { REUSE_RING = 8 };
     span *s = (span *)c->pub.cur[k];
