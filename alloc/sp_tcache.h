@@ -24,9 +24,9 @@
  * central heap): a cache short of that class takes a spare before it cuts new blocks, and any
  * cache takes one, cut anew, before it asks the heap for a span, so a thread that takes over
  * an exited one's work reuses pages that are resident already. sp_tcache_trim returns the
- * caller's empty spans, the empty orphans and the spares. A thread that frees
- * before it ever allocated attaches too (its remote frees are counted in its cache); after its
- * exit hook ran, a thread's calls go through one shared fallback cache under a lock.
+ * caller's and the shared fallback cache's empty spans, the empty orphans and the spares. A
+ * thread that frees before it ever allocated attaches too (its remote frees are counted in its
+ * cache); after its exit hook ran, a thread's calls go through the fallback cache under a lock.
  * sp_tcache_tls is an initial-exec thread-local: a shared library holding it must be loaded
  * with the program (or preloaded), not dlopen'ed into a running process.
  *
