@@ -98,14 +98,18 @@ TRACK_INTERNAL static void span_format(span *s, cache *c, uint32_t k) {
     track_pool(span_first(s), span_area(s));
 }
 
+/* Blocks one carve cuts for blocks of bs bytes: a page's worth, at least one. */
+static uint32_t carve_batch(uint32_t bs) {
+    return bs < 4096 ? 4096 / bs : 1;
+}
+
 /* Cut up to a page worth of blocks (at least one) from the uncarved tail onto the free list.
  * Returns false when the span is fully carved. */
 TRACK_INTERNAL static bool span_carve(span *s) {
     uint32_t bs = s->block_size, done = s->pub.carved;
     uint32_t left = s->capacity - done;
     if (left == 0) return false;
-    uint32_t n = 4096 / bs;
-    if (n == 0) n = 1;
+    uint32_t n = carve_batch(bs);
     if (n > left) n = left;
     char *first = span_first(s) + (size_t)done * bs;
     sp_tcache_block *head = span_free(s);
@@ -153,10 +157,9 @@ static bool span_has_room(span *s) {
 /* Whether s (not current) holds at least half as many carved blocks, free or in its inbox,
  * as one carve would cut: worth switching to instead of carving. Owner only. */
 static bool span_has_batch(span *s) {
-    uint32_t batch = 4096 / s->block_size;
     uint32_t ready = s->pub.carved - span_used(s) +
                      sp_tcache_count_(atomic_load_explicit(&s->inbox, memory_order_relaxed));
-    return 2 * ready >= (batch ? batch : 1);
+    return 2 * ready >= carve_batch(s->block_size);
 }
 
 static span *spare_take(cache *c, uint32_t k, bool any_class);
@@ -239,12 +242,17 @@ static void make_current(cache *c, span *s, bool from_ring) {
     sp_mutex_unlock(&c->lock);
 }
 
-/* Look at up to `scan` spans of the ring (rotating it) for one that `room` accepts. */
-static span *ring_scan(cache *c, uint32_t k, uint32_t scan, bool (*room)(span *)) {
+/* Ring spans a refill looks at. A ring no longer than this is searched for carved blocks
+ * before the current span carves; a longer one holds mostly full spans, and looking at them on
+ * every refill cost more than carving. */
+enum { RING_SCAN = 8 };
+
+/* Look at up to RING_SCAN spans of the ring (rotating it) for one that `room` accepts. */
+static span *ring_scan(cache *c, uint32_t k, bool (*room)(span *)) {
     if (!c->ring[k]) return NULL;
     span *found = NULL;
     sp_mutex_lock(&c->lock);
-    for (uint32_t i = 0; i < scan && !found; i++) {
+    for (uint32_t i = 0; i < RING_SCAN && !found; i++) {
         span *s = c->ring[k];
         if (room(s))
             found = s;
@@ -253,6 +261,16 @@ static span *ring_scan(cache *c, uint32_t k, uint32_t scan, bool (*room)(span *)
     }
     sp_mutex_unlock(&c->lock);
     return found;
+}
+
+/* c's kept empty spans, taken off its list whole (a chain through next). */
+static span *empty_list_take(cache *c) {
+    sp_mutex_lock(&c->lock);
+    span *e = c->empty;
+    c->empty = NULL;
+    c->empty_count = 0;
+    sp_mutex_unlock(&c->lock);
+    return e;
 }
 
 static span *empty_take(cache *c, uint32_t k) {
@@ -270,6 +288,13 @@ static span *empty_take(cache *c, uint32_t k) {
     return s;
 }
 
+/* c takes the detached span s (an orphan or a spare of c's class) as its own. */
+static void span_adopt(span *s, cache *c) {
+    s->next = s->prev = NULL;
+    __atomic_store_n(&s->owner_tid, c->tid, __ATOMIC_RELAXED);
+    __atomic_store_n(&s->pub.owner, &c->pub, __ATOMIC_RELEASE);
+}
+
 /* Adopt an orphaned span of class k (collecting its inbox); NULL if there is none. */
 static span *orphan_adopt(cache *c, uint32_t k) {
     if (atomic_load_explicit(&tc.orphan_count[k], memory_order_relaxed) == 0) return NULL;
@@ -281,9 +306,7 @@ static span *orphan_adopt(cache *c, uint32_t k) {
     }
     sp_mutex_unlock(&tc.orphan_lock);
     if (!s) return NULL;
-    s->next = s->prev = NULL;
-    __atomic_store_n(&s->owner_tid, c->tid, __ATOMIC_RELAXED);
-    __atomic_store_n(&s->pub.owner, &c->pub, __ATOMIC_RELEASE);
+    span_adopt(s, c);
     span_collect(s, c);
     return s;
 }
@@ -331,13 +354,10 @@ static span *spare_take(cache *c, uint32_t k, bool any_class) {
     }
     sp_mutex_unlock(&tc.orphan_lock);
     if (!s) return NULL;
-    if (s->cls != k) {
+    if (s->cls != k)
         span_format(s, c, k); /* its blocks were all free: cut anew */
-        return s;
-    }
-    s->next = s->prev = NULL;
-    __atomic_store_n(&s->owner_tid, c->tid, __ATOMIC_RELAXED);
-    __atomic_store_n(&s->pub.owner, &c->pub, __ATOMIC_RELEASE);
+    else
+        span_adopt(s, c);
     return s;
 }
 
@@ -345,19 +365,17 @@ static span *spare_take(cache *c, uint32_t k, bool any_class) {
 
 /* A block of class k from cache c when cur[k]'s free list is empty. NULL: out of memory.
  * Carved blocks before new ones where that is cheap: the current span's inbox; then, only
- * while the class has at most REUSE_RING spans on its ring, a ring span holding half a carve's
+ * while the class has at most RING_SCAN spans on its ring, a ring span holding half a carve's
  * worth (free or in its inbox); then a spare of the class (an exited thread's empty span:
  * resident pages). Only then new blocks: the current span's uncut tail, other ring spans,
- * kept empty spans, orphans, a spare of another class or a new span. A long ring is not
- * searched first: its spans are mostly full, and looking at them on every refill cost more
- * than carving. */
+ * kept empty spans, orphans, a spare of another class or a new span (RING_SCAN says why a
+ * long ring is not searched first). */
 TRACK_INTERNAL static sp_tcache_block *class_refill(cache *c, uint32_t k) {
-    enum { REUSE_RING = 8 };
     span *s = (span *)c->pub.cur[k];
     bool current = s != &tcache_sentinel;
     if (current && span_collect(s, c)) return span_free(s);
     bool from_ring = true;
-    span *t = c->ring_len[k] <= REUSE_RING ? ring_scan(c, k, REUSE_RING, span_has_batch) : NULL;
+    span *t = c->ring_len[k] <= RING_SCAN ? ring_scan(c, k, span_has_batch) : NULL;
     if (!t) {
         from_ring = false;
         t = spare_take(c, k, false);
@@ -365,7 +383,7 @@ TRACK_INTERNAL static sp_tcache_block *class_refill(cache *c, uint32_t k) {
     if (!t) {
         if (current && span_carve(s)) return span_free(s);
         from_ring = true;
-        t = ring_scan(c, k, 8, span_has_room);
+        t = ring_scan(c, k, span_has_room);
     }
     if (t) {
         span_collect(t, c);
@@ -477,11 +495,7 @@ void tcache_cache_drain(cache *c) {
             if (!orphan_push(s)) span_release(s);
         }
     }
-    sp_mutex_lock(&c->lock);
-    span *e = c->empty;
-    c->empty = NULL;
-    c->empty_count = 0;
-    sp_mutex_unlock(&c->lock);
+    span *e = empty_list_take(c);
     while (e) {
         span *s = e;
         e = s->next;
@@ -491,12 +505,8 @@ void tcache_cache_drain(cache *c) {
 
 /* Return c's kept empty spans to the central heap; returns their bytes. */
 size_t tcache_empty_release(cache *c) {
-    sp_mutex_lock(&c->lock);
-    span *e = c->empty;
-    c->empty = NULL;
-    c->empty_count = 0;
-    sp_mutex_unlock(&c->lock);
     size_t bytes = 0;
+    span *e = empty_list_take(c);
     while (e) {
         span *s = e;
         e = s->next;
