@@ -88,7 +88,6 @@ struct sp_frame_arena {
     uint32_t buffers;
     /* Read-only after create. */
     _Alignas(64) size_t capacity; /* bytes per buffer, page-aligned */
-    size_t chunks;                /* per buffer: capacity / chunk_size */
     uint64_t id;                  /* unique across arenas: tags the threads' record indices */
     sp_frame_overflow overflow;
     void *(*heap_alloc)(void *user, size_t align, size_t size);
@@ -539,7 +538,6 @@ sp_frame_arena *sp_frame_arena_create(const sp_frame_desc *desc, sp_result *err)
     a->heap_alloc = d.heap_alloc ? d.heap_alloc : libc_alloc;
     a->heap_free = d.heap_free ? d.heap_free : libc_free;
     a->heap_user = d.heap_user;
-    a->chunks = chunks;
     for (uint32_t i = 0; i < n; i++) {
         a->buf[i].base = a->region + (size_t)i * capacity;
         a->buf[i].holes = (uint32_t *)(void *)(extra + mark_words) + (size_t)i * MAX_HOLES;
