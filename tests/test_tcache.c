@@ -160,22 +160,26 @@ static void test_aligned(void) {
     ok(good, "aligned_alloc: alignments 1 B .. 1 MiB, sizes small to large, all aligned");
 }
 
+/* Allocate blocks of bs bytes into blocks[] until one lands in a span other than the first
+ * one's (the current span of the class is then full and that block starts the next); returns
+ * how many were taken (at most max). */
+static int fill_span(size_t bs, void **blocks, int max) {
+    int n = 0;
+    blocks[n++] = sp_tcache_alloc(bs);
+    while (n < max) {
+        blocks[n] = sp_tcache_alloc(bs);
+        if (span_base(blocks[n++]) != span_base(blocks[0])) break;
+    }
+    return n;
+}
+
 /* A loop that allocates and frees one block right at a span boundary must not hand a span to
  * the central heap and take it back each time. */
 static void test_hysteresis(void) {
     size_t bs = 1024;
     uint32_t k = tcache_class_of(bs);
-    /* fill the current span of the class exactly */
     void *blocks[400];
-    int n = 0;
-    void *first = sp_tcache_alloc(bs);
-    blocks[n++] = first;
-    uintptr_t span0 = (uintptr_t)first & ~(SP_TCACHE_SPAN - 1);
-    for (;;) {
-        void *p = sp_tcache_alloc(bs);
-        blocks[n++] = p;
-        if (((uintptr_t)p & ~(SP_TCACHE_SPAN - 1)) != span0) break;
-    }
+    int n = fill_span(bs, blocks, 400);
     sp_tcache_free(blocks[--n]); /* the first block of the second span: that span now empty */
     sp_tlsf_status before, after;
     heap_status(&tc.spans, &before);
@@ -199,14 +203,8 @@ static void test_refill_reuses(void) {
     sp_tcache_thread_detach();
     sp_tcache_trim(); /* no orphans: the spans below are new, cut a page at a time */
     sp_tcache_thread_attach();
-    int n = 0;
-    blocks[n++] = sp_tcache_alloc(bs);
-    char *span_a = span_base(blocks[0]);
-    while (n < MAX) { /* fill span A; the first block of span B ends the loop */
-        blocks[n] = sp_tcache_alloc(bs);
-        if (span_base(blocks[n++]) != span_a) break;
-    }
-    char *span_b = span_base(blocks[n - 1]);
+    int n = fill_span(bs, blocks, MAX); /* span A full; the last block starts span B */
+    char *span_a = span_base(blocks[0]), *span_b = span_base(blocks[n - 1]);
     /* B was carved a page's worth (4 blocks): take the other 3, so its free list is empty and
      * its tail uncarved. */
     for (int i = 0; i < 3; i++) blocks[n++] = sp_tcache_alloc(bs);
@@ -318,6 +316,12 @@ static void *thread_fills_frees_exits(void *arg) {
  * the rest go back to the heap); the next cache that needs the class takes their blocks
  * before it carves or takes a span of its own, and another class takes a spare, cut anew,
  * before a new span. */
+/* Whether p lies in one of the first three spans of theirs[]. */
+static bool in_spans(const uintptr_t *theirs, const void *p) {
+    uintptr_t b = (uintptr_t)span_base(p);
+    return b == theirs[0] || b == theirs[1] || b == theirs[2];
+}
+
 static void test_detached_reuse(void) {
     static void *blocks[SPREAD];
     sp_tcache_trim();
@@ -343,9 +347,8 @@ static void test_detached_reuse(void) {
     heap_status(&tc.spans, &before);
     bool reused = true;
     for (int i = 0; i < 4000; i++) {
-        void *p = blocks[i] = sp_tcache_alloc(48);
-        uintptr_t b = (uintptr_t)span_base(p);
-        reused = reused && (b == theirs[0] || b == theirs[1] || b == theirs[2]);
+        blocks[i] = sp_tcache_alloc(48);
+        reused = reused && in_spans(theirs, blocks[i]);
     }
     heap_status(&tc.spans, &after);
     sp_tcache_status_get(&st);
@@ -359,9 +362,8 @@ static void test_detached_reuse(void) {
     void *big = sp_tcache_alloc(2048);
     heap_status(&tc.spans, &after);
     sp_tcache_status_get(&st);
-    uintptr_t b = (uintptr_t)span_base(big);
-    ok((b == theirs[0] || b == theirs[1] || b == theirs[2]) &&
-           after.live_blocks == before.live_blocks && st.spans_orphaned == orphaned0,
+    ok(in_spans(theirs, big) && after.live_blocks == before.live_blocks &&
+           st.spans_orphaned == orphaned0,
        "another class takes a spare before the heap (spans %zu -> %zu, spares left %zu)",
        before.live_blocks, after.live_blocks, st.spans_orphaned - orphaned0);
     sp_tcache_free(big);
