@@ -103,8 +103,9 @@ struct sp_frame_arena {
     frame_buffer buf[SP_FRAME_MAX_BUFFERS];
     /* [thread index][buffer]: a thread's records of all buffers on adjacent lines, one page:
      * the close of a buffer it did not claim in reads lines next to the ones it just wrote
-     * (records by buffer put them a page apart, cold after a large frame: the reclaim after
-     * 1,000,000 allocations cost 220-400 ns instead of 35). */
+     * (records by buffer put them a page apart, cold after a large frame: bench frame/reset
+     * after 1,000,000 allocations was no longer flat; bench/README.md, "Recorded run (claim
+     * records, two frame sizes)"). */
     claim_record records[RECORDS][SP_FRAME_MAX_BUFFERS];
 };
 _Static_assert(offsetof(struct sp_frame_arena, hot) == 0, "the inline paths read hot at a");
