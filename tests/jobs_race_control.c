@@ -1,12 +1,14 @@
 /* Negative control for ThreadSanitizer through the scheduler's fiber switches: two jobs, pinned
  * to different workers, each park and resume once (a fiber switch, maybe a migration), meet
- * through relaxed atomics (no happens-before for TSan) and then write the same plain int.
+ * through relaxed atomics (no happens-before for TSan) and then write the same plain int, one
+ * after the other.
  * Built only with -Db_sanitize=thread and registered with should_fail: TSan must report the race
  * (halt_on_error=1 makes it exit non-zero). Every other way out exits 0 (a crash, a hang caught
  * by an alarm, the scheduler failing to start), so that only a TSan report passes. */
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "sp_jobs.h"
@@ -15,6 +17,12 @@
 static sp_jobs *S;
 static int shared_plain; /* the race */
 static atomic_int arrived;
+static atomic_int written; /* 1: the first job has written, 2: the second has */
+
+static void sleep_ms(long ms) {
+    struct timespec t = {0, ms * 1000000};
+    nanosleep(&t, NULL);
+}
 
 static void no_report(int sig) {
     static const char msg[] = "jobs_race_control: ended without a TSan report\n";
@@ -34,9 +42,19 @@ static void racer(void *arg) {
     if (!c || sp_jobs_submit(S, &d, 1, c) != SP_OK) no_report(0);
     sp_counter_wait(c, 0);
     sp_counter_destroy(c);
-    atomic_fetch_add_explicit(&arrived, 1, memory_order_relaxed);
-    while (atomic_load_explicit(&arrived, memory_order_relaxed) < 2) sp_thread_yield();
-    shared_plain = (int)(uintptr_t)arg; /* both jobs, no synchronisation */
+    /* The two writes are apart in time: TSan can miss two accesses that check the shadow word at
+     * the same instant (seen here: 1 run in 40 when both jobs wrote as soon as both arrived). The
+     * first writer then sleeps rather than spins until the second has written, so that little
+     * else enters its history before the second write is checked against it. */
+    if (atomic_fetch_add_explicit(&arrived, 1, memory_order_relaxed) == 0) {
+        shared_plain = (int)(uintptr_t)arg;
+        atomic_store_explicit(&written, 1, memory_order_relaxed);
+        while (atomic_load_explicit(&written, memory_order_relaxed) < 2) sleep_ms(1);
+    } else {
+        while (atomic_load_explicit(&written, memory_order_relaxed) < 1) sp_thread_yield();
+        shared_plain = (int)(uintptr_t)arg; /* no happens-before with the first write */
+        atomic_store_explicit(&written, 2, memory_order_relaxed);
+    }
 }
 
 int main(void) {
