@@ -125,9 +125,14 @@ int main(void) {
     ts_log_capture();
     pthread_t t;
     pthread_create(&t, NULL, attached, NULL);
+    /* Frames start once the thread runs its operations, and go on past `frames` (up to ten
+     * times as many) until compaction has moved something: on a loaded machine the thread may
+     * get little time during the first ones. */
+    for (int r; atomic_load(&ops) < M && ((r = atomic_load(&attach_result)) == -99 || r == SP_OK);)
+        sp_thread_yield();
     uint32_t frames = (uint32_t)ts_scaled(20000, 10);
     size_t moved = 0;
-    for (uint32_t f = 0; f < frames; f++) {
+    for (uint32_t f = 0; f < frames || (moved == 0 && f < 10 * frames); f++) {
         sp_frame_begin();
         sp_frame_end();
         sp_frame_stats st;
