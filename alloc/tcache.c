@@ -98,20 +98,23 @@ TRACK_INTERNAL static void span_format(span *s, cache *c, uint32_t k) {
     track_pool(span_first(s), span_area(s));
 }
 
-/* Blocks one carve cuts for blocks of bs bytes: a page's worth, at least one. */
+/* About the blocks one carve cuts for blocks of bs bytes: a page's worth, at least one. */
 static uint32_t carve_batch(uint32_t bs) {
     return bs < 4096 ? 4096 / bs : 1;
 }
 
-/* Cut up to a page worth of blocks (at least one) from the uncarved tail onto the free list.
- * Returns false when the span is fully carved. */
+/* Cut the blocks that start in the page holding the next uncarved one (at least one) onto the
+ * free list, so that each carve touches one page the span had not touched (a batch of a page's
+ * worth from wherever the last one ended would touch two, and a span holding few blocks one
+ * page more than it needs). Returns false when the span is fully carved. */
 TRACK_INTERNAL static bool span_carve(span *s) {
     uint32_t bs = s->block_size, done = s->pub.carved;
     uint32_t left = s->capacity - done;
     if (left == 0) return false;
-    uint32_t n = carve_batch(bs);
-    if (n > left) n = left;
     char *first = span_first(s) + (size_t)done * bs;
+    uintptr_t page_end = sp_align_down((uintptr_t)first, 4096) + 4096;
+    uint32_t n = (uint32_t)((page_end - (uintptr_t)first + bs - 1) / bs);
+    if (n > left) n = left;
     sp_tcache_block *head = span_free(s);
     for (uint32_t i = n; i-- > 0;) {
         sp_tcache_block *b = (sp_tcache_block *)(first + (size_t)i * bs);

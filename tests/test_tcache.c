@@ -205,10 +205,11 @@ static void test_refill_reuses(void) {
     sp_tcache_thread_attach();
     int n = fill_span(bs, blocks, MAX); /* span A full; the last block starts span B */
     char *span_a = span_base(blocks[0]), *span_b = span_base(blocks[n - 1]);
-    /* B was carved a page's worth (4 blocks): take the other 3, so its free list is empty and
-     * its tail uncarved. */
-    for (int i = 0; i < 3; i++) blocks[n++] = sp_tcache_alloc(bs);
-    bool in_b = span_base(blocks[n - 1]) == span_b;
+    /* B was carved a page at a time: take what is left of its first page, so its free list
+     * is empty and its tail uncarved. */
+    span *b = span_of(span_b);
+    while (n < MAX && span_free(b)) blocks[n++] = sp_tcache_alloc(bs);
+    bool in_b = span_base(blocks[n - 1]) == span_b && b->pub.carved < b->capacity;
     for (int i = 0; i < 8; i++) sp_tcache_free(blocks[i]); /* 8 free blocks in A (on the ring) */
     void *next = sp_tcache_alloc(bs);
     ok(n < MAX && in_b && span_b != span_a && span_base(next) == span_a,
