@@ -160,9 +160,9 @@ size_t sp_tcache_trim(void);
  * `tcache local`: bench/README.md has the ratios to the peers); the slow path takes the span's
  * inbox, then (only while the class has at most 8 other spans) another span's free blocks if
  * they are half a carve's worth, then a spare of the class; then it cuts new blocks, those
- * that start in one page not touched yet (of the span's unused tail, another span, a kept
- * empty span, an orphan, a spare of another class, or a new span from the central heap: one
- * lock).
+ * that start in the next 4 KiB page of the uncut part (of the span's unused tail, another
+ * span, a kept empty span, an orphan, a spare of another class, or a new span from the
+ * central heap: one lock).
  * alloc returns NULL when the heaps cannot grow. */
 
 /* Zeroed array of n * size bytes; NULL on overflow or out of memory. */

@@ -103,10 +103,11 @@ static uint32_t carve_batch(uint32_t bs) {
     return bs < 4096 ? 4096 / bs : 1;
 }
 
-/* Cut the blocks that start in the page holding the next uncarved one (at least one) onto the
- * free list, so that each carve touches one page the span had not touched (a batch of a page's
- * worth from wherever the last one ended would touch two, and a span holding few blocks one
- * page more than it needs). Returns false when the span is fully carved. */
+/* Cut the blocks that start in the 4 KiB page holding the next uncarved one (at least one)
+ * onto the free list: each carve writes into that page only, a later page than the last
+ * carve's, and the blocks it hands out reach at most into the next page (a page's worth from
+ * wherever the last carve ended wrote into two, so a span holding few blocks had a page more
+ * resident than it needed). Returns false when the span is fully carved. */
 TRACK_INTERNAL static bool span_carve(span *s) {
     uint32_t bs = s->block_size, done = s->pub.carved;
     uint32_t left = s->capacity - done;

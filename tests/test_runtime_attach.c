@@ -124,15 +124,20 @@ int main(void) {
     }
     ts_log_capture();
     pthread_t t;
-    pthread_create(&t, NULL, attached, NULL);
-    /* Frames start once the thread runs its operations, and go on past `frames` (up to ten
-     * times as many) until compaction has moved something: on a loaded machine the thread may
-     * get little time during the first ones. */
-    for (int r; atomic_load(&ops) < M && ((r = atomic_load(&attach_result)) == -99 || r == SP_OK);)
+    if (pthread_create(&t, NULL, attached, NULL) != 0) {
+        ok(0, "pthread_create");
+        return done();
+    }
+    /* Frames start once the thread runs its operations (or has failed to attach; at most 60 s),
+     * and go on past `frames` (up to ten times as many) until compaction has moved something:
+     * on a loaded machine the thread may get little time during the first ones. */
+    uint64_t deadline = sp_time_ns() + 60 * UINT64_C(1000000000);
+    for (int r; atomic_load(&ops) < M && ((r = atomic_load(&attach_result)) == -99 || r == SP_OK) &&
+                sp_time_ns() < deadline;)
         sp_thread_yield();
-    uint32_t frames = (uint32_t)ts_scaled(20000, 10);
+    uint32_t frames = (uint32_t)ts_scaled(20000, 10), f = 0;
     size_t moved = 0;
-    for (uint32_t f = 0; f < frames || (moved == 0 && f < 10 * frames); f++) {
+    for (; f < frames || (moved == 0 && f < 10 * frames); f++) {
         sp_frame_begin();
         sp_frame_end();
         sp_frame_stats st;
@@ -147,7 +152,7 @@ int main(void) {
     is_int(atomic_load(&damaged), 0,
            "%u frames, %d handle operations on the attached thread, %zu bytes compacted: no "
            "pinned block damaged or moved",
-           frames, atomic_load(&ops), moved);
+           f, atomic_load(&ops), moved);
     is_int(logged, 0, "nothing reported");
     ok(moved > 0, "compaction ran meanwhile (%zu bytes moved): the pins were tested", moved);
     sp_handle_heap_status hs;

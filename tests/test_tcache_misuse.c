@@ -84,8 +84,11 @@ static void test_reported(void) {
     refuse_all((char *)sp_tcache_span_of_((uintptr_t)live) + 64, SP_ERR_INVALID_POINTER,
                "sp_tcache_free", "span header");
     refuse_all((void *)(span + 16), SP_ERR_INVALID_POINTER, "sp_tcache_free", "the span's start");
-    refuse_all((void *)(span + SP_TCACHE_SPAN - 96), SP_ERR_INVALID_POINTER, "sp_tcache_free",
-               "a block not carved yet");
+    /* The first block not carved yet: a block start (of live's 64-byte class) at the bound. */
+    const sp_tcache_span *hs = sp_tcache_span_of_((uintptr_t)live);
+    uintptr_t uncarved = span + (hs->first32 & (SP_TCACHE_SPAN - 1)) + (uintptr_t)hs->carved * 64;
+    refuse_all((void *)uncarved, SP_ERR_INVALID_POINTER, "sp_tcache_free",
+               "the first block not carved yet");
     refuse_all(&on_stack, SP_ERR_FOREIGN_POINTER, "sp_tcache_free", "stack address");
     refuse_all(glibc, SP_ERR_FOREIGN_POINTER, "sp_tcache_free", "glibc block");
 
