@@ -296,7 +296,10 @@ int ts_migration_rounds(sp_jobs *s, void (*waiter)(void *), int min_rounds, int 
     }
     int rounds = 0;
     bool good = round != NULL;
-    while (good && rounds < max_rounds && (rounds < min_rounds || atomic_load(migrations) < want)) {
+    uint64_t t0 = sp_time_ns(), patience = 60 * UINT64_C(1000000000);
+    while (good && (rounds < min_rounds ||
+                    (atomic_load(migrations) < want &&
+                     (rounds < max_rounds || sp_time_ns() - t0 < patience)))) {
         for (int i = 0; i < TS_PAIRS; i++) sp_counter_add(pairs[i].go, 1);
         good &= sp_jobs_submit(s, waiters, TS_PAIRS, round) == SP_OK;
         good &= sp_jobs_submit(s, signals, TS_PAIRS, round) == SP_OK;

@@ -92,8 +92,9 @@ sp_desc ts_small_desc(uint32_t workers, size_t handle_mib);
  * waiter(ts_pair *) jobs, which do their work, sp_counter_wait(pair->go, 0) (the fiber parks and
  * may resume on another worker) and work again, and signal jobs that release them from wherever
  * they run. Rounds go on until at least min_rounds ran and *migrations (which the waiters count)
- * reached want, max_rounds at most; between(user) runs after each round when not NULL. Returns
- * the rounds run, or -1 when a submit or wait failed. */
+ * reached want: max_rounds at most, or more while under 60 s have passed (on a loaded machine
+ * the other workers get little time, and jobs rarely resume elsewhere); between(user) runs
+ * after each round when not NULL. Returns the rounds run, or -1 when a submit or wait failed. */
 enum { TS_PAIRS = 8 };
 typedef struct ts_pair {
     sp_counter *go;
