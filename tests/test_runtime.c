@@ -292,6 +292,13 @@ static void work_hog(void *user, uint64_t budget) {
     }
 }
 
+/* One frame, the works' order record cleared first. */
+static void works_frame(void) {
+    order_n = 0;
+    sp_frame_begin();
+    sp_frame_end();
+}
+
 static atomic_int freed;
 static void count_free(void *p) {
     free(p);
@@ -348,18 +355,14 @@ static void test_between(void) {
     ok(budget_seen > 0 && budget_seen <= 1000000000, "work a got the budget left (%llu ns)",
        (unsigned long long)budget_seen);
     is_int(sp_between_frames_remove(work_a, NULL), SP_OK, "remove work a");
-    order_n = 0;
-    sp_frame_begin();
-    sp_frame_end();
+    works_frame();
     ok(order_n == 1 && order[0] == 2, "a removed work no longer runs");
     sp_between_frames_remove(work_b, &two);
     /* A work that removes itself: the one after it still runs that frame. */
     static int three = 3;
     sp_between_frames_add("once", work_once, NULL);
     sp_between_frames_add("b", work_b, &three);
-    order_n = 0;
-    sp_frame_begin();
-    sp_frame_end();
+    works_frame();
     ok(order_n == 2 && order[0] == 9 && order[1] == 3,
        "a work that removes itself does not make the next one skip the frame");
     sp_between_frames_remove(work_b, &three);
@@ -367,9 +370,7 @@ static void test_between(void) {
     static int four = 4;
     sp_between_frames_add("remove b", work_remove_b, &four);
     sp_between_frames_add("b", work_b, &four);
-    order_n = 0;
-    sp_frame_begin();
-    sp_frame_end();
+    works_frame();
     ok(order_n == 1 && order[0] == 7, "a work removed by an earlier one is not called that frame");
     sp_between_frames_remove(work_remove_b, &four);
 
@@ -577,9 +578,7 @@ static void test_between_budget(void) {
     static int six = 6;
     sp_between_frames_add("hog", work_hog, NULL);
     sp_between_frames_add("b", work_b, &six);
-    order_n = 0;
-    sp_frame_begin();
-    sp_frame_end();
+    works_frame();
     sp_frame_stats st;
     sp_frame_stats_last(&st);
     ok(order_n == 1 && order[0] == 8 && st.between_skipped == 2 && st.between_ns >= 2000000,
@@ -587,9 +586,7 @@ static void test_between_budget(void) {
        "%llu ns between frames)",
        st.between_skipped, (unsigned long long)st.between_ns);
     sp_between_frames_remove(work_hog, NULL);
-    order_n = 0;
-    sp_frame_begin();
-    sp_frame_end();
+    works_frame();
     ok(order_n == 1 && order[0] == 6, "the next frame runs the work the budget skipped");
     sp_between_frames_remove(work_b, &six);
     is_int(sp_shutdown(), SP_OK, "shutdown");
