@@ -159,10 +159,10 @@ size_t sp_tcache_trim(void);
  * Cost: alloc is a table lookup and a pop; free is the pointer checks and a push (bench
  * `tcache local`: bench/README.md has the ratios to the peers); the slow path takes the span's
  * inbox, then (only while the class has at most 8 other spans) another span's free blocks if
- * they are half a carve's worth, then a spare of the class; then it cuts new blocks, those
- * that start in the next 4 KiB page of the uncut part (of the span's unused tail, another
- * span, a kept empty span, an orphan, a spare of another class, or a new span from the
- * central heap: one lock).
+ * they are half a page's worth, then a spare of the class; then, in order, the span's unused
+ * tail, another span, a kept empty span, an orphan, a spare of another class or a new span
+ * from the central heap (one lock); a span without free blocks cuts new ones, those that
+ * start in the 4 KiB page holding its next uncut block.
  * alloc returns NULL when the heaps cannot grow. */
 
 /* Zeroed array of n * size bytes; NULL on overflow or out of memory. */

@@ -98,16 +98,17 @@ TRACK_INTERNAL static void span_format(span *s, cache *c, uint32_t k) {
     track_pool(span_first(s), span_area(s));
 }
 
-/* About the blocks one carve cuts for blocks of bs bytes: a page's worth, at least one. */
+/* A page's worth of blocks of bs bytes, at least one (about what one carve cuts). */
 static uint32_t carve_batch(uint32_t bs) {
     return bs < 4096 ? 4096 / bs : 1;
 }
 
 /* Cut the blocks that start in the 4 KiB page holding the next uncarved one (at least one)
- * onto the free list: each carve writes into that page only, a later page than the last
- * carve's, and the blocks it hands out reach at most into the next page (a page's worth from
- * wherever the last carve ended wrote into two, so a span holding few blocks had a page more
- * resident than it needed). Returns false when the span is fully carved. */
+ * onto the free list: each carve writes blocks into that page only, a later page than the
+ * last carve's, and (for blocks under 4 KiB) the blocks it hands out reach at most into the
+ * next page (a page's worth from wherever the last carve ended wrote into two, so a span
+ * holding few blocks had a page more resident than it needed). Returns false when the span is
+ * fully carved. */
 TRACK_INTERNAL static bool span_carve(span *s) {
     uint32_t bs = s->block_size, done = s->pub.carved;
     uint32_t left = s->capacity - done;
@@ -158,8 +159,8 @@ static bool span_has_room(span *s) {
            atomic_load_explicit(&s->inbox, memory_order_relaxed) != 0;
 }
 
-/* Whether s (not current) holds at least half as many carved blocks, free or in its inbox,
- * as one carve would cut: worth switching to instead of carving. Owner only. */
+/* Whether s (not current) holds at least half a page's worth of carved blocks, free or in its
+ * inbox: worth switching to instead of carving. Owner only. */
 static bool span_has_batch(span *s) {
     uint32_t ready = s->pub.carved - span_used(s) +
                      sp_tcache_count_(atomic_load_explicit(&s->inbox, memory_order_relaxed));
@@ -369,8 +370,8 @@ static span *spare_take(cache *c, uint32_t k, bool any_class) {
 
 /* A block of class k from cache c when cur[k]'s free list is empty. NULL: out of memory.
  * Carved blocks before new ones where that is cheap: the current span's inbox; then, only
- * while the class has at most RING_SCAN spans on its ring, a ring span holding half a carve's
- * worth (free or in its inbox); then a spare of the class (an exited thread's empty span:
+ * while the class has at most RING_SCAN spans on its ring, a ring span holding half a page's
+ * worth of blocks (free or in its inbox); then a spare of the class (an exited thread's empty span:
  * resident pages). Only then new blocks: the current span's uncut tail, other ring spans,
  * kept empty spans, orphans, a spare of another class or a new span (RING_SCAN says why a
  * long ring is not searched first). */

@@ -43,9 +43,9 @@ static void racer(void *arg) {
     sp_counter_wait(c, 0);
     sp_counter_destroy(c);
     /* The two writes are apart in time: TSan can miss two accesses that check the shadow word at
-     * the same instant (seen here: 1 run in 40 when both jobs wrote as soon as both arrived). The
-     * first writer then sleeps rather than spins until the second has written, so that little
-     * else enters its history before the second write is checked against it. */
+     * the same instant (seen here: 1 to 3 runs in 40 when both jobs wrote as soon as both
+     * arrived). The first writer then sleeps rather than spins until the second has written, so
+     * that little else enters its history before the second write is checked against it. */
     if (atomic_fetch_add_explicit(&arrived, 1, memory_order_relaxed) == 0) {
         shared_plain = (int)(uintptr_t)arg;
         atomic_store_explicit(&written, 1, memory_order_relaxed);

@@ -336,10 +336,10 @@ static void shrink_job(void *arg) {
 
 static void test_between(void) {
     sp_desc d = small_desc(2);
-    /* Wall time: a budget of a few ms can be spent by one preemption of the trim or of the
-     * compaction on a loaded machine (seen: the compaction below left holes), and the works
-     * after would be skipped. The checks below need every work and the whole compaction to
-     * run; that the budget is enforced is test_between_budget's. */
+    /* The budget is wall time: on a loaded machine a preemption of the trim can spend a budget
+     * of a few ms before the works run (they are skipped), one of the compaction stops it early
+     * (seen: the compaction below left holes). The checks below need every work and the whole
+     * compaction to run; that the budget is enforced is test_between_budget's. */
     d.between_budget_ns = 1000000000;
     sp_init(&d);
     static int two = 2;
@@ -570,7 +570,9 @@ static void test_attach_offline(void) {
 }
 
 /* The between-frames budget is enforced: after a work that spent it, the works after it and
- * the compaction are skipped, and counted in the frame's statistics. */
+ * the compaction are skipped, and counted in the frame's statistics. A frame whose trim was
+ * preempted for the whole 2 ms skips the spending work too: such frames are run again (at
+ * most 100). */
 static void test_between_budget(void) {
     sp_desc d = small_desc(0);
     d.between_budget_ns = 2000000;
@@ -578,16 +580,18 @@ static void test_between_budget(void) {
     static int six = 6;
     sp_between_frames_add("hog", work_hog, NULL);
     sp_between_frames_add("b", work_b, &six);
-    works_frame();
-    sp_frame_stats st;
-    sp_frame_stats_last(&st);
+    sp_frame_stats st = {0};
+    for (int f = 0; f < 100 && (order_n == 0 || f == 0); f++) {
+        works_frame();
+        sp_frame_stats_last(&st);
+    }
     ok(order_n == 1 && order[0] == 8 && st.between_skipped == 2 && st.between_ns >= 2000000,
        "a work spent the 2 ms budget: the next work and the compaction skipped (%u counted, "
        "%llu ns between frames)",
        st.between_skipped, (unsigned long long)st.between_ns);
     sp_between_frames_remove(work_hog, NULL);
-    works_frame();
-    ok(order_n == 1 && order[0] == 6, "the next frame runs the work the budget skipped");
+    for (int f = 0; f < 100 && (order_n == 0 || f == 0); f++) works_frame();
+    ok(order_n == 1 && order[0] == 6, "a later frame runs the work the budget skipped");
     sp_between_frames_remove(work_b, &six);
     is_int(sp_shutdown(), SP_OK, "shutdown");
 }

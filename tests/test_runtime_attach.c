@@ -128,9 +128,10 @@ int main(void) {
         ok(0, "pthread_create");
         return done();
     }
-    /* Frames start once the thread runs its operations (or has failed to attach; at most 60 s),
-     * and go on past `frames` (up to ten times as many) until compaction has moved something:
-     * on a loaded machine the thread may get little time during the first ones. */
+    /* Frames start once the thread has done its first M operations, one pass over its slots
+     * (or has failed to attach; at most 60 s), and go on past `frames` (up to ten times as many)
+     * until compaction has moved something: on a loaded machine the thread may get little time
+     * during the first ones. */
     uint64_t deadline = sp_time_ns() + 60 * UINT64_C(1000000000);
     for (int r; atomic_load(&ops) < M && ((r = atomic_load(&attach_result)) == -99 || r == SP_OK) &&
                 sp_time_ns() < deadline;)

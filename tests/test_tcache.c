@@ -205,7 +205,7 @@ static void test_refill_reuses(void) {
     sp_tcache_thread_attach();
     int n = fill_span(bs, blocks, MAX); /* span A full; the last block starts span B */
     char *span_a = span_base(blocks[0]), *span_b = span_base(blocks[n - 1]);
-    /* B was carved a page at a time: take what is left of its first page, so its free list
+    /* B is carved a page at a time: take what is left of its first carve, so its free list
      * is empty and its tail uncarved. */
     span *b = span_of(span_b);
     while (n < MAX && span_free(b)) blocks[n++] = sp_tcache_alloc(bs);
