@@ -92,7 +92,7 @@ static void abandon_waiters(sp_jobs *s) {
  * piece or deferred batch holds a record, and a job takes the records of what it submits
  * before it returns its own; `returned` is read before `taken`, so 0 means that at the moment
  * between the two reads nothing was live. */
-static uint64_t records_outstanding(sp_jobs *s, uint64_t *done) {
+uint64_t jobs_records_outstanding(sp_jobs *s, uint64_t *done) {
     *done = SUM(s, returned);
     return SUM(s, taken) + atomic_load(&s->ext_taken) - *done;
 }
@@ -103,7 +103,7 @@ uint64_t sp_jobs_run_count(sp_jobs *s) {
 
 bool sp_jobs_idle(sp_jobs *s) {
     uint64_t done;
-    return records_outstanding(s, &done) == 0;
+    return jobs_records_outstanding(s, &done) == 0;
 }
 
 /* Main thread's loop, while shutdown drains and nothing is left to run here: finished when
@@ -112,7 +112,7 @@ bool sp_jobs_idle(sp_jobs *s) {
  * for a while. */
 void jobs_drain_check(sp_jobs *s) {
     if (atomic_load(&s->drained)) return;
-    uint64_t done, outstanding = records_outstanding(s, &done);
+    uint64_t done, outstanding = jobs_records_outstanding(s, &done);
     bool finished = outstanding == 0;
     uint64_t parks = SUM(s, parks), resumes = SUM(s, resumes);
     int64_t parked_jobs = (int64_t)(parks - resumes);

@@ -238,6 +238,9 @@ SP_HIDDEN SP_NOINLINE void jobs_counter_wake(sp_counter *c);
 SP_HIDDEN void jobs_waiter_publish(sp_counter *c, waiter *wt);
 SP_HIDDEN void jobs_waiters_push(sp_counter *c, waiter *head, waiter *tail);
 /* jobs.c */
+/* Job records taken and not yet returned (held by live jobs, pieces and deferred batches);
+ * *done gets the returned count. */
+SP_HIDDEN uint64_t jobs_records_outstanding(sp_jobs *s, uint64_t *done);
 SP_HIDDEN void jobs_drain_check(sp_jobs *s);
 
 static inline bool counter_reached(const sp_counter *c, int64_t target) {

@@ -238,13 +238,17 @@ static job *records_take_pool(sp_jobs *s, uint32_t n) {
 }
 
 /* Too few records: ask every worker to flush its cache, wake the sleeping ones (they flush on
- * their way back to sleep), and look again for up to 10 ms (workers may be descheduled: this
- * is the way to SP_ERR_LIMIT, not a fast path). */
+ * their way back to sleep), and look again: for up to 10 ms, or up to 1 s while the records
+ * it needs are free but cached by workers (the ones live jobs hold aside), which a loaded
+ * machine can keep off a CPU for longer than 10 ms (a worker in a long job flushes only when
+ * it returns). This is the way to SP_ERR_LIMIT, not a fast path. */
 SP_COLD static bool records_wait(sp_jobs *s, worker *w, uint32_t n) {
     atomic_fetch_add(&s->records_wanted, 1);
     for (uint32_t i = 0; i <= s->nworkers; i++) jobs_wake_if_idle(s, i);
+    uint64_t done, live = jobs_records_outstanding(s, &done);
+    uint64_t patience = live + n <= s->desc.max_jobs ? 1000000000 : 10000000;
     bool got = false;
-    for (uint64_t t0 = sp_time_ns(); !got && sp_time_ns() - t0 < 10000000; sp_thread_yield()) {
+    for (uint64_t t0 = sp_time_ns(); !got && sp_time_ns() - t0 < patience; sp_thread_yield()) {
         sp_mutex_lock(&s->record_lock);
         got = s->record_free_count + (w ? w->free_count : 0) >= n;
         sp_mutex_unlock(&s->record_lock);

@@ -167,7 +167,8 @@ void sp_jobs_destroy(sp_jobs *s);
  * copy of the descs and one record, pushed once (a worker's deque; other threads: the
  * wfcqueue); otherwise a record and a push per job. Then one fence, and a futex wake per
  * sleeping worker needed. Out of records, it first asks the workers for the ones they cache
- * and yields for up to 10 ms before SP_ERR_LIMIT. Errors: SP_ERR_SHUTDOWN (after shutdown
+ * and yields for up to 10 ms before SP_ERR_LIMIT (up to 1 s while enough records are free
+ * but cached by workers that have not run yet). Errors: SP_ERR_SHUTDOWN (after shutdown
  * began, from a thread that is not running a job), SP_ERR_LIMIT (out of job records, logged),
  * SP_ERR_NOMEM (the copy, logged), SP_ERR_INVALID_ARG (misuse: NULL s, jobs with count > 0, NULL
  * fn, a pinned worker out of range). count 0 is SP_OK and does nothing. */
