@@ -317,9 +317,9 @@ static span *orphan_adopt(cache *c, uint32_t k) {
 }
 
 /* Hand s (not current, inbox collected) to the orphan list (live blocks) or, while its class
- * has fewer than keep_detached, the spare list (empty) of its class. False: an empty s was not
- * taken (the caller releases it). */
-static bool orphan_push(span *s) {
+ * has fewer than keep_detached, the spare list (empty) of its class; an empty s neither takes
+ * goes back to the central heap. */
+static void span_detach(span *s) {
     uint32_t k = s->cls;
     bool spare = span_used(s) == 0;
     sp_mutex_lock(&tc.orphan_lock);
@@ -337,7 +337,17 @@ static bool orphan_push(span *s) {
         if (spare) atomic_fetch_add_explicit(&tc.spare_total, 1, memory_order_relaxed);
     }
     sp_mutex_unlock(&tc.orphan_lock);
-    return take;
+    if (!take) span_release(s);
+}
+
+span *tcache_spare_pop(uint32_t k) {
+    span *s = tc.spares[k];
+    if (s) {
+        tc.spares[k] = s->next;
+        atomic_fetch_sub_explicit(&tc.spare_count[k], 1, memory_order_relaxed);
+        atomic_fetch_sub_explicit(&tc.spare_total, 1, memory_order_relaxed);
+    }
+    return s;
 }
 
 /* Take a spare of class k (any_class: of any class, k's first, reformatted for k) for c; NULL
@@ -348,15 +358,8 @@ static span *spare_take(cache *c, uint32_t k, bool any_class) {
         return NULL;
     span *s = NULL;
     sp_mutex_lock(&tc.orphan_lock);
-    for (uint32_t i = 0; i < SP_TCACHE_CLASSES && !s; i++) {
-        uint32_t j = (k + i) % SP_TCACHE_CLASSES;
-        if ((s = tc.spares[j]) != NULL) {
-            tc.spares[j] = s->next;
-            atomic_fetch_sub_explicit(&tc.spare_count[j], 1, memory_order_relaxed);
-            atomic_fetch_sub_explicit(&tc.spare_total, 1, memory_order_relaxed);
-        }
-        if (!any_class) break;
-    }
+    for (uint32_t i = 0; i < (any_class ? SP_TCACHE_CLASSES : 1) && !s; i++)
+        s = tcache_spare_pop((k + i) % SP_TCACHE_CLASSES);
     sp_mutex_unlock(&tc.orphan_lock);
     if (!s) return NULL;
     if (s->cls != k)
@@ -497,14 +500,14 @@ void tcache_cache_drain(cache *c) {
             span *s = ring;
             ring = s->next;
             span_collect(s, c);
-            if (!orphan_push(s)) span_release(s);
+            span_detach(s);
         }
     }
     span *e = empty_list_take(c);
     while (e) {
         span *s = e;
         e = s->next;
-        if (!orphan_push(s)) span_release(s);
+        span_detach(s);
     }
 }
 

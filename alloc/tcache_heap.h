@@ -82,6 +82,7 @@ void heap_lock_all(bool lock);
 void tcache_cache_init(cache *c, uint64_t tid);
 void tcache_set_cur(cache *c, uint32_t k, span *s);
 void tcache_ring_remove(cache *c, span *s); /* c->lock held */
+span *tcache_spare_pop(uint32_t k);        /* a spare of class k, NULL if none; orphan lock held */
 void tcache_cache_drain(cache *c);
 size_t tcache_empty_release(cache *c);
 void tcache_span_emptied(cache *c, span *s);

@@ -164,14 +164,8 @@ size_t sp_tcache_trim(void) {
                 link = &s->next;
             }
         }
-        while (tc.spares[k]) {
-            span *s = tc.spares[k];
-            tc.spares[k] = s->next;
-            atomic_fetch_sub_explicit(&tc.spare_count[k], 1, memory_order_relaxed);
-            atomic_fetch_sub_explicit(&tc.spare_total, 1, memory_order_relaxed);
+        for (span *s; (s = tcache_spare_pop(k)) != NULL; bytes += SP_TCACHE_SPAN)
             span_release(s);
-            bytes += SP_TCACHE_SPAN;
-        }
     }
     sp_mutex_unlock(&tc.orphan_lock);
     track_leave();
