@@ -313,16 +313,16 @@ static void *thread_fills_frees_exits(void *arg) {
     return NULL; /* exits with three empty spans: keep_detached (2) of them stay as spares */
 }
 
-/* An exited thread's empty spans stay cut into blocks as spares (up to keep_detached a class,
- * the rest go back to the heap); the next cache that needs the class takes their blocks
- * before it carves or takes a span of its own, and another class takes a spare, cut anew,
- * before a new span. */
 /* Whether p lies in one of the first three spans of theirs[]. */
 static bool in_spans(const uintptr_t *theirs, const void *p) {
     uintptr_t b = (uintptr_t)span_base(p);
     return b == theirs[0] || b == theirs[1] || b == theirs[2];
 }
 
+/* An exited thread's empty spans stay cut into blocks as spares (up to keep_detached a class,
+ * the rest go back to the heap); the next cache that needs the class takes their blocks
+ * before it carves or takes a span of its own, and another class takes a spare, cut anew,
+ * before a new span. */
 static void test_detached_reuse(void) {
     static void *blocks[SPREAD];
     sp_tcache_trim();
