@@ -33,7 +33,7 @@
  * Concurrency:
  *   sp_tcache_init / _shutdown                  not concurrently with anything else
  *   alloc, calloc, realloc, aligned_alloc,      any thread, concurrently with everything; a
- *   free, free_sized, usable_size, trim,        block may be freed (or realloc'd) by any
+ *   free, free_sized, usable_size, trim, tidy,  block may be freed (or realloc'd) by any
  *   thread_attach / _detach, status_local       thread, once
  *   free_local                                  only by the thread whose cache allocated it
  *   status                                      any thread; exact only while no other thread
@@ -147,6 +147,17 @@ void sp_tcache_thread_detach(void);
  * theirs. Returns the bytes returned to the central heap. Any thread; takes the fallback,
  * orphan and heap locks. Cost: O(spans). */
 size_t sp_tcache_trim(void);
+
+/* Give back what the calling thread's cache no longer needs without giving up what it reuses:
+ * the every-frame call (sp_frame_end and workers going idle make it). The cache takes its
+ * inboxes back, and a span they leave empty goes the way of one its owner emptied (kept while
+ * the cache keeps fewer than keep_empty, else returned); current spans, kept empty spans and
+ * spares stay (sp_tcache_trim returns those). If blocks were freed into orphaned spans since
+ * the last tidy or trim (by any thread), the orphans left empty are returned too. Returns the
+ * bytes returned to the central heap. Any thread. Cost: a load per span the caller holds (its
+ * lock and the heap lock per span returned); O(orphans) under the orphan lock only when
+ * orphans were freed into. */
+size_t sp_tcache_tidy(void);
 
 /* ---- allocation: inline fast paths below, their out-of-line rest in tcache.c ------------- */
 

@@ -326,8 +326,11 @@ static void span_detach(span *s) {
     bool take = !spare || atomic_load_explicit(&tc.spare_count[k], memory_order_relaxed) <
                               tc.keep_detached;
     if (take) {
-        __atomic_store_n(&s->pub.owner, NULL, __ATOMIC_RELEASE);
+        __atomic_store_n(&s->pub.owner, NULL, __ATOMIC_SEQ_CST);
         __atomic_store_n(&s->owner_tid, 0, __ATOMIC_RELAXED);
+        /* A remote free that read the old owner after its push counted no orphan free. */
+        if (!spare && atomic_load_explicit(&s->inbox, memory_order_seq_cst))
+            atomic_fetch_add_explicit(&tc.orphan_frees, 1, memory_order_relaxed);
         s->prev = NULL;
         span **list = spare ? &tc.spares[k] : &tc.orphans[k];
         s->next = *list;
@@ -677,8 +680,13 @@ TRACK_INTERNAL static void block_free_remote(cache *c, span *s, sp_tcache_block 
     do {
         b->next = sp_tcache_list_(old);
         next = (uintptr_t)b | (sp_tcache_count_bits_(old) + SP_TCACHE_COUNT_ONE);
-    } while (!atomic_compare_exchange_weak_explicit(&s->inbox, &old, next, memory_order_release,
+    } while (!atomic_compare_exchange_weak_explicit(&s->inbox, &old, next, memory_order_seq_cst,
                                                     memory_order_relaxed));
+    /* Into an orphan: tell sp_tcache_tidy (it may have left the orphan empty). Sequentially
+     * consistent with span_detach's store of the owner and check of the inbox: of a push that
+     * races with the orphaning, at least one side sees the other. */
+    if (!__atomic_load_n(&s->pub.owner, __ATOMIC_SEQ_CST))
+        atomic_fetch_add_explicit(&tc.orphan_frees, 1, memory_order_release);
     if (c && c != &unattached)
         __atomic_store_n(&c->remote_frees, c->remote_frees + 1, __ATOMIC_RELAXED);
     else
@@ -754,7 +762,7 @@ void sp_tcache_free_sized(void *p, size_t size) {
 
 /* Called by the owner when a free made its span empty (inline path or block_free_owner); never
  * for the current span (its bias keeps `used` above zero): that one stays, no ping-pong. */
-void tcache_span_emptied(cache *c, span *s) {
+size_t tcache_span_emptied(cache *c, span *s) {
     SP_INVARIANT((span *)c->pub.cur[s->cls] != s, "tcache_span_emptied", s);
     sp_mutex_lock(&c->lock);
     tcache_ring_remove(c, s);
@@ -765,7 +773,9 @@ void tcache_span_emptied(cache *c, span *s) {
         c->empty_count++;
     }
     sp_mutex_unlock(&c->lock);
-    if (!keep) span_release(s);
+    if (keep) return 0;
+    span_release(s);
+    return SP_TCACHE_SPAN;
 }
 
 void sp_tcache_span_emptied(sp_tcache_span *s) {

@@ -51,6 +51,10 @@ typedef struct tcache_state {
     span *spares[SP_TCACHE_CLASSES];
     _Atomic size_t spare_count[SP_TCACHE_CLASSES];
     _Atomic size_t spare_total;
+    /* Remote frees that found their span orphaned (counted after the push, sequentially
+     * consistent with span_detach's check); sp_tcache_tidy walks the orphans when this moved
+     * past orphan_frees_seen (written under the orphan lock). */
+    _Atomic size_t orphan_frees, orphan_frees_seen;
 
     sp_mutex fallback_lock; /* the fallback cache of exited threads */
     cache fallback;
@@ -85,7 +89,7 @@ void tcache_ring_remove(cache *c, span *s); /* c->lock held */
 span *tcache_spare_pop(uint32_t k);        /* a spare of class k, NULL if none; orphan lock held */
 void tcache_cache_drain(cache *c);
 size_t tcache_empty_release(cache *c);
-void tcache_span_emptied(cache *c, span *s);
+size_t tcache_span_emptied(cache *c, span *s); /* bytes returned: 0 if kept */
 uint32_t span_collect(span *s, cache *c);
 void span_release(span *s);
 bool tcache_block_check(span *s, const void *p, const char *call);

@@ -1,4 +1,4 @@
-/* Thread caches: status (per thread and aggregated) and trim. Walks span lists under the
+/* Thread caches: status (per thread and aggregated), tidy and trim. Walks span lists under the
  * list locks; per-span counters are read with relaxed atomic loads (their owners store them
  * that way), so figures of running caches are a snapshot, exact when they are quiescent. */
 #include <string.h>
@@ -98,16 +98,19 @@ void sp_tcache_status_get(sp_tcache_status *st) {
     st->fragmentation = st->large_heap.fragmentation;
 }
 
-/* ---- trim ------------------------------------------------------------------------------- */
+/* ---- tidy and trim ------------------------------------------------------------------------ */
 
-/* Collect and release what is empty among c's spans (c's owner or its lock holder). */
-static size_t cache_trim(cache *c) {
+/* Take c's inboxes back (c's owner, or its lock holder). all (trim): every span left empty is
+ * returned, current and kept empty ones too. Otherwise (tidy): current spans and kept empty
+ * ones stay, and a ring span the inbox left empty goes the way of one its owner emptied
+ * (tcache_span_emptied: kept while c keeps fewer than keep_empty). Returns the bytes returned. */
+static size_t cache_sweep(cache *c, bool all) {
     size_t bytes = 0;
     for (uint32_t k = 0; k < SP_TCACHE_CLASSES; k++) {
         span *cur = (span *)c->pub.cur[k];
         if (cur != &tcache_sentinel) {
             span_collect(cur, c);
-            if (span_used(cur) == 0) {
+            if (all && span_used(cur) == 0) {
                 sp_mutex_lock(&c->lock);
                 tcache_set_cur(c, k, &tcache_sentinel);
                 sp_mutex_unlock(&c->lock);
@@ -115,41 +118,30 @@ static size_t cache_trim(cache *c) {
                 bytes += SP_TCACHE_SPAN;
             }
         }
-        span *r = c->ring[k];
-        size_t n = 0;
-        if (r) {
-            span *s = r;
-            do {
-                n++;
-                s = s->next;
-            } while (s != r);
-        }
-        for (span *s = c->ring[k]; n-- > 0;) {
+        /* An emptied span leaves the ring: walk its length as it was, the next one saved. */
+        span *s = c->ring[k];
+        for (uint32_t n = c->ring_len[k]; n > 0; n--) {
             span *next = s->next;
-            span_collect(s, c);
-            if (span_used(s) == 0) {
-                sp_mutex_lock(&c->lock);
-                tcache_ring_remove(c, s);
-                sp_mutex_unlock(&c->lock);
-                span_release(s);
-                bytes += SP_TCACHE_SPAN;
+            if ((span_collect(s, c) || all) && span_used(s) == 0) {
+                if (all) {
+                    sp_mutex_lock(&c->lock);
+                    tcache_ring_remove(c, s);
+                    sp_mutex_unlock(&c->lock);
+                    span_release(s);
+                    bytes += SP_TCACHE_SPAN;
+                } else {
+                    bytes += tcache_span_emptied(c, s);
+                }
             }
             s = next;
         }
     }
-    return bytes + tcache_empty_release(c);
+    return all ? bytes + tcache_empty_release(c) : bytes;
 }
 
-size_t sp_tcache_trim(void) {
-    if (!atomic_load_explicit(&tc.ready, memory_order_acquire)) return 0;
-    track_enter();
+/* Collect every orphan's inbox and return the orphans left empty (orphan lock held). */
+static size_t orphans_release_empty(void) {
     size_t bytes = 0;
-    cache *c = (cache *)sp_tcache_tls;
-    if (c->registered) bytes += cache_trim(c);
-    sp_mutex_lock(&tc.fallback_lock);
-    bytes += cache_trim(&tc.fallback);
-    sp_mutex_unlock(&tc.fallback_lock);
-    sp_mutex_lock(&tc.orphan_lock);
     for (uint32_t k = 0; k < SP_TCACHE_CLASSES; k++) {
         span **link = &tc.orphans[k];
         while (*link) {
@@ -164,10 +156,45 @@ size_t sp_tcache_trim(void) {
                 link = &s->next;
             }
         }
-        for (span *s; (s = tcache_spare_pop(k)) != NULL; bytes += SP_TCACHE_SPAN)
-            span_release(s);
     }
-    sp_mutex_unlock(&tc.orphan_lock);
+    return bytes;
+}
+
+/* sp_tcache_tidy (all false) and sp_tcache_trim (all true): the caller's cache swept, and
+ * (trim) the fallback cache's; the orphans walked when frees reached them since the last walk
+ * (trim: always); (trim) the spares returned. */
+static size_t give_back(bool all) {
+    if (!atomic_load_explicit(&tc.ready, memory_order_acquire)) return 0;
+    track_enter();
+    size_t bytes = 0;
+    cache *c = (cache *)sp_tcache_tls;
+    if (c->registered) bytes += cache_sweep(c, all);
+    if (all) {
+        sp_mutex_lock(&tc.fallback_lock);
+        bytes += cache_sweep(&tc.fallback, true);
+        sp_mutex_unlock(&tc.fallback_lock);
+    }
+    if (all || atomic_load_explicit(&tc.orphan_frees, memory_order_acquire) !=
+                   atomic_load_explicit(&tc.orphan_frees_seen, memory_order_relaxed)) {
+        sp_mutex_lock(&tc.orphan_lock);
+        size_t frees = atomic_load_explicit(&tc.orphan_frees, memory_order_acquire);
+        if (all || frees != atomic_load_explicit(&tc.orphan_frees_seen, memory_order_relaxed)) {
+            atomic_store_explicit(&tc.orphan_frees_seen, frees, memory_order_relaxed);
+            bytes += orphans_release_empty();
+        }
+        for (uint32_t k = 0; all && k < SP_TCACHE_CLASSES; k++)
+            for (span *s; (s = tcache_spare_pop(k)) != NULL; bytes += SP_TCACHE_SPAN)
+                span_release(s);
+        sp_mutex_unlock(&tc.orphan_lock);
+    }
     track_leave();
     return bytes;
+}
+
+size_t sp_tcache_tidy(void) {
+    return give_back(false);
+}
+
+size_t sp_tcache_trim(void) {
+    return give_back(true);
 }

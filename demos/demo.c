@@ -11,7 +11,7 @@
  *     pieces free, usually on another worker (remote frees);
  *   - a render job (after the update, through a counter) walks last frame's and this frame's
  *     render records - last frame's arena data is still valid - and checks them;
- *   - sp_frame_end waits for the jobs, flips the arena, trims the caches and compacts the
+ *   - sp_frame_end waits for the jobs, flips the arena, tidies the caches and compacts the
  *     handle heap within the between-frames budget.
  * Prints a line of figures a second and a summary; exits non-zero if any payload, render
  * record or event was damaged, or if anything leaked.

@@ -41,11 +41,13 @@ sp_result sp_frame_begin(void) {
     return SP_OK;
 }
 
-/* Between-frames work within the budget: trim, the registered works, then compaction. */
+/* Between-frames work within the budget: the main thread's tidy (sp_tcache_tidy: surplus
+ * spans back, the reused ones kept; workers tidy when they go idle), the registered works,
+ * then compaction. */
 static void between_frames(sp_frame_stats *st) {
     uint64_t t0 = sp_time_ns(), budget = sp_rt.desc.between_budget_ns;
-    st->trimmed_bytes = sp_tcache_trim();
-    atomic_fetch_add_explicit(&sp_rt.trim_epoch, 1, memory_order_relaxed);
+    st->trimmed_bytes = sp_tcache_tidy();
+    atomic_fetch_add_explicit(&sp_rt.tidy_epoch, 1, memory_order_relaxed);
     /* A work may add or remove works (itself included) while it runs: the walk reads the
      * live list, and a removal before its position moves it back (sp_between_frames_remove). */
     while (sp_rt.between_next < sp_rt.between_count) {

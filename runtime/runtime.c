@@ -27,7 +27,7 @@ static _Thread_local bool tls_qsbr;
 static _Thread_local bool tls_attached;
 _Thread_local bool rt_main;
 static _Thread_local bool tls_offline; /* an attached thread between sp_thread_offline/_online */
-static _Thread_local uint64_t tls_trim_epoch; /* the last frame end this thread trimmed after */
+static _Thread_local uint64_t tls_tidy_epoch; /* the last frame end this thread tidied after */
 
 #define MiB ((size_t)1 << 20)
 #define GiB ((size_t)1 << 30)
@@ -177,12 +177,13 @@ static void hook_job_resume(void *user, uint32_t worker, const char *name) {
 static void hook_worker_sleep(void *user, uint32_t worker) {
     (void)user;
     USER_HOOK(worker_sleep, worker);
-    /* Going idle after a frame ended: a good moment to collect this cache's inbox and give
-     * surplus spans back (once per frame at most; the main thread does it in sp_frame_end). */
-    uint64_t epoch = atomic_load_explicit(&sp_rt.trim_epoch, memory_order_relaxed);
-    if (tls_trim_epoch != epoch) {
-        tls_trim_epoch = epoch;
-        sp_tcache_trim();
+    /* Going idle after a frame ended: a good moment to collect this cache's inboxes and give
+     * surplus spans back (sp_tcache_tidy, once per frame at most; the main thread does it in
+     * sp_frame_end). */
+    uint64_t epoch = atomic_load_explicit(&sp_rt.tidy_epoch, memory_order_relaxed);
+    if (tls_tidy_epoch != epoch) {
+        tls_tidy_epoch = epoch;
+        sp_tcache_tidy();
     }
     qsbr_offline();
 }

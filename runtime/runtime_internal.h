@@ -61,7 +61,7 @@ typedef struct runtime {
      * refuses (and clears `stopping` again). */
     _Atomic uint32_t attached;
     _Atomic bool stopping;
-    _Atomic uint64_t trim_epoch; /* bumped by sp_frame_end: workers trim when they go idle */
+    _Atomic uint64_t tidy_epoch; /* bumped by sp_frame_end: workers tidy when they go idle */
 
     /* Frame loop: written by the main thread only (in_frame and frame atomically: sp_status_get
      * reads them from any thread). */

@@ -92,7 +92,7 @@ typedef struct sp_desc {
     uint32_t max_handles;       /* 0: the handle heap's default */
     size_t persistent_size;     /* persistent region (0: 64 MiB) */
     uint64_t between_budget_ns; /* time sp_frame_end may spend on between-frames work
-                                   (trim, registered work, compaction); 0: 1 ms */
+                                   (tidy, registered work, compaction); 0: 1 ms */
     sp_jobs_desc jobs;          /* the scheduler (workers, fibers, hooks...; zeroes: defaults) */
     uint32_t canary_end;        /* must be 0 */
 } sp_desc;
@@ -118,7 +118,7 @@ typedef struct sp_frame_stats {
     uint64_t frame;      /* its number (the first frame is 0) */
     uint64_t frame_ns;   /* sp_frame_begin to the end of sp_frame_end */
     uint64_t wait_ns;    /* sp_frame_end's wait for the frame's jobs */
-    uint64_t between_ns; /* between-frames work (trim, registered work, compaction) */
+    uint64_t between_ns; /* between-frames work (tidy, registered work, compaction) */
     uint64_t jobs_run;   /* jobs that finished during the frame (all of them) */
     size_t arena_bytes;  /* taken from the frame's buffer (sp_frame_buffer_status) */
     size_t arena_peak;   /* that buffer's peak over all its frames */
@@ -127,7 +127,7 @@ typedef struct sp_frame_stats {
     size_t arena_overflow_bytes; /* of them, bytes the central heap served instead */
     size_t heap_bytes;           /* thread caches and large blocks: bytes in live blocks */
     size_t heap_high_water;
-    size_t trimmed_bytes; /* spans the thread caches gave back this frame */
+    size_t trimmed_bytes; /* bytes of spans the main thread's sp_tcache_tidy gave back */
     size_t handle_bytes;  /* handle heap: live bytes */
     size_t handle_moved;  /* bytes compaction moved this frame */
     double handle_fragmentation;

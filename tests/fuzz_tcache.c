@@ -3,7 +3,7 @@
  * remote path). Blocks carry a pattern checked before every free and realloc; bad frees
  * (double, interior, foreign, stale) are part of the alphabet: each must be reported exactly
  * once and change nothing. Caches are destroyed and made anew mid-sequence (orphans, then
- * adoption), and trimmed. Every input ends with the leak check: all status figures zero.
+ * adoption), tidied and trimmed. Every input ends with the leak check: all status figures zero.
  *
  * Input: a stream of 4-byte records  op | slot (and cache bit) | size lo | size hi. */
 #include <stdint.h>
@@ -99,7 +99,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             caches[who] = tcache_create();
             if (!caches[who]) abort();
             break;
-        default: sp_tcache_trim(); break;
+        default: /* the bound cache's tidy (the every-frame call) or a full trim */
+            if (data[i + 2] & 1)
+                sp_tcache_tidy();
+            else
+                sp_tcache_trim();
+            break;
         }
     }
     tcache_bind(caches[0]); /* (an unbound thread would attach a cache of its own to free) */

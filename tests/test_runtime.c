@@ -1,7 +1,7 @@
 /* The runtime (sp_runtime.h): lifecycle errors, regions, the persistent region, the frame
  * loop (frame counter, lifetime of arena data over N buffers, overflow in both modes,
- * statistics), between-frames works, handle-heap compaction between frames, sp_retire and
- * thread attach/detach. */
+ * statistics), between-frames works, handle-heap compaction between frames, sp_retire,
+ * thread attach/detach, and the thread caches' tidy at frame end. */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -596,6 +596,68 @@ static void test_between_budget(void) {
     is_int(sp_shutdown(), SP_OK, "shutdown");
 }
 
+typedef struct span_blocks {
+    void **b;
+    int n;
+} span_blocks;
+
+static void free_job(void *arg) {
+    span_blocks *l = arg;
+    for (int i = 0; i < l->n; i++) sp_tcache_free(l->b[i]);
+}
+
+/* A frame that frees l's blocks from a job pinned to worker 1 (remote frees into the main
+ * thread's spans); its statistics in *st. */
+static void remote_free_frame(span_blocks *l, sp_frame_stats *st) {
+    sp_job_desc j = {.fn = free_job, .arg = l, .pinned = true, .worker = 1, .name = "free"};
+    sp_frame_begin();
+    sp_submit(&j, 1, NULL);
+    sp_frame_end();
+    sp_frame_stats_last(st);
+}
+
+/* sp_frame_end tidies the main thread's cache (sp_tcache_tidy): spans that remote frees
+ * emptied are kept up to keep_empty (2) and returned past it, and kept empty spans stay from
+ * frame to frame (a full trim every frame would hand them back and take them again). */
+static void test_frame_tidy(void) {
+    sp_desc d = small_desc(1);
+    if (sp_init(&d) != SP_OK) {
+        ok(0, "init");
+        return;
+    }
+    enum { MAX = 1200 };
+    static void *b[MAX];
+    int first[5];
+    int total = ts_fill_spans(1024, b, MAX, 4, first); /* A, B, C full; D current */
+    for (int i = first[0]; i < first[1]; i++) sp_tcache_free(b[i]); /* A: kept empty */
+    sp_tcache_status st0, st1, st2, st3;
+    sp_tcache_status_local(&st0);
+    sp_frame_stats f1, f2;
+    span_blocks span_b = {b + first[1], first[2] - first[1]};
+    remote_free_frame(&span_b, &f1);
+    sp_tcache_status_local(&st1);
+    span_blocks span_c = {b + first[2], first[3] - first[2]};
+    remote_free_frame(&span_c, &f2);
+    sp_tcache_status_local(&st2);
+    for (int f = 0; f < 3; f++) {
+        sp_frame_begin();
+        sp_frame_end();
+    }
+    sp_tcache_status_local(&st3);
+    ok(st0.spans_empty == 1 && st1.spans_empty == 2 && f1.trimmed_bytes == 0 &&
+           st1.live_blocks == (size_t)(total - first[2]),
+       "frame end takes back the inbox a job filled; the span it emptied is kept (%zu kept, "
+       "%zu bytes returned)",
+       st1.spans_empty, f1.trimmed_bytes);
+    ok(f2.trimmed_bytes == SP_TCACHE_SPAN && st2.spans_empty == 2 &&
+           st2.live_blocks == (size_t)(total - first[3]),
+       "... the next one is returned past keep_empty (%zu bytes)", f2.trimmed_bytes);
+    ok(st3.spans_empty == 2 && st3.spans == st2.spans,
+       "kept empty spans stay over empty frames (%zu of %zu spans)", st3.spans_empty, st3.spans);
+    for (int i = first[3]; i < total; i++) sp_tcache_free(b[i]);
+    is_int(sp_shutdown(), SP_OK, "shutdown");
+}
+
 int main(void) {
     test_before_init();
     test_regions();
@@ -607,5 +669,6 @@ int main(void) {
     test_between_budget();
     test_attach();
     test_attach_offline();
+    test_frame_tidy();
     return done();
 }

@@ -13,6 +13,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "sp_tcache.h"
 #include "track.h"
 
 #ifndef SP_DEBUG
@@ -322,4 +323,16 @@ sp_desc ts_small_desc(uint32_t workers, size_t handle_mib) {
     d.jobs.workers = workers;
     d.jobs.no_workers = workers == 0;
     return d;
+}
+
+int ts_fill_spans(size_t size, void **b, int max, int spans, int *first) {
+    int n = 0, begun = 0;
+    for (uintptr_t cur = 0; n < max && (begun < spans || n == first[spans - 1]); n++) {
+        b[n] = sp_tcache_alloc(size);
+        uintptr_t base = (uintptr_t)b[n] & ~(uintptr_t)(SP_TCACHE_SPAN - 1);
+        if (base != cur) first[begun++] = n;
+        cur = base;
+    }
+    first[spans] = n;
+    return n;
 }

@@ -88,6 +88,12 @@ uint64_t ts_scaled(uint64_t n, uint64_t div);
  * job on the main thread). */
 sp_desc ts_small_desc(uint32_t workers, size_t handle_mib);
 
+/* Allocate blocks of `size` bytes (a class size) from the calling thread's cache into b[]
+ * until `spans` spans were begun and the last holds one block, so the others are full (each
+ * from a fresh cache's empty spans or new ones). first[i] is the index of span i's first block,
+ * first[spans] the number taken, which is returned (at most max). */
+int ts_fill_spans(size_t size, void **b, int max, int spans, int *first);
+
 /* Job migration harness: rounds of TS_PAIRS waiting jobs on scheduler s. Each round submits
  * waiter(ts_pair *) jobs, which do their work, sp_counter_wait(pair->go, 0) (the fiber parks and
  * may resume on another worker) and work again, and signal jobs that release them from wherever

@@ -1,7 +1,7 @@
 /* Thread caches, one layer at a time: size classes (waste bound, lookup table), alloc/free of
  * every class and of large blocks, calloc/realloc/aligned_alloc/usable_size/free_sized,
  * hysteresis at a span boundary, remote frees, orphaned spans of an exited thread (freed
- * from here, then adopted), and the leak check: every status figure back to zero after trim. */
+ * from here, then adopted), tidy against trim, and the leak check: every status figure back to zero after trim. */
 #include <stdio.h>
 #include <string.h>
 
@@ -396,6 +396,98 @@ static void test_remote(void) {
        "trim collected every inbox (pending %zu, live %zu)", st.remote_pending, st.live_blocks);
 }
 
+typedef struct blocks {
+    void **b;
+    int n;
+} blocks;
+
+static void *free_all(void *arg) {
+    blocks *l = arg;
+    for (int i = 0; i < l->n; i++) sp_tcache_free(l->b[i]);
+    return NULL;
+}
+
+static void *alloc_and_exit(void *arg) {
+    blocks *l = arg;
+    for (int i = 0; i < l->n; i++) l->b[i] = sp_tcache_alloc(3000);
+    return NULL; /* exits holding them: its spans become orphans */
+}
+
+/* Free l's blocks on another thread (remote frees, into inboxes). */
+static void free_elsewhere(blocks *l) {
+    sp_thread t;
+    sp_thread_start(&t, free_all, l, "sp-free");
+    sp_thread_join(t);
+}
+
+/* sp_tcache_tidy, the every-frame call: inboxes come back and a span they empty is kept or
+ * returned as if its owner had emptied it, orphans that frees emptied go back; kept empty
+ * spans and spares stay (sp_tcache_trim returns those). */
+static void test_tidy(void) {
+    enum { MAX = 1200 };
+    static void *b[MAX];
+    sp_tcache_thread_detach();
+    sp_tcache_trim();
+    sp_tcache_thread_attach();
+    /* Four spans of 1024-byte blocks: A, B and C full, D current. */
+    int first[5], n[4];
+    int total = ts_fill_spans(1024, b, MAX, 4, first);
+    for (int i = 0; i < 4; i++) n[i] = first[i + 1] - first[i];
+    /* A and B emptied by their owner: kept (keep_empty 2). */
+    for (int i = 0; i < n[0] + n[1]; i++) sp_tcache_free(b[i]);
+    sp_tcache_status st0, st;
+    sp_tcache_status_local(&st0);
+    size_t got = sp_tcache_tidy();
+    sp_tcache_status_local(&st);
+    ok(got == 0 && st0.spans_empty == 2 && st.spans_empty == 2 && st.spans == st0.spans,
+       "tidy keeps the kept empty spans (%zu of %zu spans; %zu bytes returned)", st.spans_empty,
+       st.spans, got);
+    /* C emptied by another thread: its blocks wait in its inbox until tidy takes them; the
+     * empty list is full, so C goes back to the heap. */
+    blocks c = {b + n[0] + n[1], n[2]};
+    free_elsewhere(&c);
+    sp_tlsf_status h0, h1;
+    heap_status(&tc.spans, &h0);
+    sp_tcache_status_local(&st0);
+    got = sp_tcache_tidy();
+    heap_status(&tc.spans, &h1);
+    sp_tcache_status_local(&st);
+    ok(st0.live_blocks == (size_t)(n[2] + n[3]) && st.live_blocks == (size_t)n[3] &&
+           got == SP_TCACHE_SPAN && h1.live_blocks == h0.live_blocks - 1 &&
+           st.spans_empty == 2,
+       "tidy takes the inboxes back; the span they emptied is returned past keep_empty (live "
+       "%zu -> %zu, %zu bytes)",
+       st0.live_blocks, st.live_blocks, got);
+    for (int i = first[3]; i < total; i++) sp_tcache_free(b[i]);
+    got = sp_tcache_trim();
+    ok(got >= 2 * SP_TCACHE_SPAN, "trim returns the kept empty spans tidy kept (%zu bytes)", got);
+
+    /* Orphans that remote frees emptied go back at the next tidy, once; spares stay. */
+    sp_tcache_status_get(&st0);
+    blocks o = {b, 200};
+    sp_thread t;
+    sp_thread_start(&t, alloc_and_exit, &o, "sp-orphan");
+    sp_thread_join(t);
+    free_elsewhere(&o);
+    sp_tcache_status_get(&st);
+    size_t orphans = st.spans_orphaned - st0.spans_orphaned;
+    static void *spread[SPREAD];
+    sp_thread_start(&t, thread_fills_frees_exits, spread, "sp-spread");
+    sp_thread_join(t);
+    sp_tcache_status_get(&st);
+    size_t spares = st.spans_orphaned - st0.spans_orphaned - orphans;
+    got = sp_tcache_tidy();
+    size_t again = sp_tcache_tidy();
+    sp_tcache_status_get(&st);
+    ok(orphans >= 3 && got == orphans * SP_TCACHE_SPAN && again == 0,
+       "tidy returns the orphans frees emptied (%zu of %zu; the next tidy %zu bytes)",
+       got / SP_TCACHE_SPAN, orphans, again);
+    ok(spares == 2 && st.spans_orphaned - st0.spans_orphaned == spares,
+       "tidy keeps an exited thread's spares (%zu of %zu)", st.spans_orphaned - st0.spans_orphaned,
+       spares);
+    sp_tcache_trim();
+}
+
 static void test_leak_check(void) {
     sp_tcache_thread_detach();
     sp_tcache_trim();
@@ -416,7 +508,7 @@ static void test_leak_check(void) {
 }
 
 int main(void) {
-    plan(36);
+    plan(41);
     sp_tcache_desc desc = {.region_size = (size_t)1 << 30, .keep_detached = 2};
     ok(sp_tcache_init(&desc) == SP_OK, "init");
     test_classes();
@@ -431,6 +523,7 @@ int main(void) {
     test_orphans();
     test_detached_reuse();
     test_remote();
+    test_tidy();
     test_leak_check();
     /* Lazy initialisation with defaults, after a shutdown. */
     void *p = sp_tcache_alloc(10);
