@@ -151,12 +151,13 @@ size_t sp_tcache_trim(void);
 /* Give back what the calling thread's cache no longer needs without giving up what it reuses:
  * the every-frame call (sp_frame_end and workers going idle make it). The cache takes its
  * inboxes back, and a span they leave empty goes the way of one its owner emptied (kept while
- * the cache keeps fewer than keep_empty, else returned); current spans, kept empty spans and
- * spares stay (sp_tcache_trim returns those). If blocks were freed into orphaned spans since
- * the last tidy or trim (by any thread), the orphans left empty are returned too. Returns the
- * bytes returned to the central heap. Any thread. Cost: a load per span the caller holds (its
- * lock and the heap lock per span returned); O(orphans) under the orphan lock only when
- * orphans were freed into. */
+ * the cache keeps fewer than keep_empty, else returned); current spans (even empty), kept empty
+ * spans, spares and the shared fallback cache stay (sp_tcache_trim returns those). If blocks
+ * were freed into orphaned spans since the orphans were last walked (by any thread's tidy or
+ * trim), the orphans are walked and those left empty returned too. Returns the bytes returned
+ * to the central heap. Any thread. Cost: a load per span the caller holds, plus the cache's
+ * lock per span emptied and the heap lock per span returned; O(orphans) under the orphan lock
+ * only when orphans were freed into. */
 size_t sp_tcache_tidy(void);
 
 /* ---- allocation: inline fast paths below, their out-of-line rest in tcache.c ------------- */

@@ -475,7 +475,12 @@ sp_tcache *tcache_create(void) {
     char *rec = heap_alloc(&tc.spans, SP_TCACHE_SPAN, SP_TCACHE_SPAN - SPAN_TAIL);
     if (!rec) return NULL;
     span *h = span_of(rec);
-    memset(h, 0, SPAN_HEADER);
+    /* The owner word atomically: a remote free that pushed into the span this was before may
+     * still read it (block_free_remote). */
+    const size_t at = offsetof(sp_tcache_span, owner), past = at + sizeof h->pub.owner;
+    memset(h, 0, at);
+    __atomic_store_n(&h->pub.owner, NULL, __ATOMIC_RELAXED);
+    memset((char *)h + past, 0, SPAN_HEADER - past);
     cache *c = (cache *)((char *)h + SPAN_HEADER);
     tcache_cache_init(c, sp_thread_os_id());
     registry_add(c);
@@ -684,7 +689,9 @@ TRACK_INTERNAL static void block_free_remote(cache *c, span *s, sp_tcache_block 
                                                     memory_order_relaxed));
     /* Into an orphan: tell sp_tcache_tidy (it may have left the orphan empty). Sequentially
      * consistent with span_detach's store of the owner and check of the inbox: of a push that
-     * races with the orphaning, at least one side sees the other. */
+     * races with the orphaning, at least one side sees the other. By now the owner may have
+     * taken the block back and released the span (the word read is then that of a free span or
+     * a cache record, written atomically: at worst one needless orphan walk). */
     if (!__atomic_load_n(&s->pub.owner, __ATOMIC_SEQ_CST))
         atomic_fetch_add_explicit(&tc.orphan_frees, 1, memory_order_release);
     if (c && c != &unattached)

@@ -6,6 +6,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "spindle.h"
 #include "test_support.h"
@@ -336,7 +337,7 @@ static void shrink_job(void *arg) {
 
 static void test_between(void) {
     sp_desc d = small_desc(2);
-    /* The budget is wall time: on a loaded machine a preemption of the trim can spend a budget
+    /* The budget is wall time: on a loaded machine a preemption of the tidy can spend a budget
      * of a few ms before the works run (they are skipped), one of the compaction stops it early
      * (seen: the compaction below left holes). The checks below need every work and the whole
      * compaction to run; that the budget is enforced is test_between_budget's. */
@@ -570,7 +571,7 @@ static void test_attach_offline(void) {
 }
 
 /* The between-frames budget is enforced: after a work that spent it, the works after it and
- * the compaction are skipped, and counted in the frame's statistics. A frame whose trim was
+ * the compaction are skipped, and counted in the frame's statistics. A frame whose tidy was
  * preempted for the whole 2 ms skips the spending work too: such frames are run again (at
  * most 100). */
 static void test_between_budget(void) {
@@ -658,6 +659,51 @@ static void test_frame_tidy(void) {
     is_int(sp_shutdown(), SP_OK, "shutdown");
 }
 
+static void alloc_job(void *arg) {
+    span_blocks *l = arg;
+    for (int i = 0; i < l->n; i++) l->b[i] = sp_tcache_alloc(1024);
+}
+
+static void nop_job(void *arg) {
+    (void)arg;
+}
+
+/* A worker tidies its own cache when it goes idle after a frame ended: the inbox of blocks
+ * the main thread freed is taken back although the worker never allocates that class again. */
+static void test_worker_tidy(void) {
+    sp_desc d = small_desc(1);
+    if (sp_init(&d) != SP_OK) {
+        ok(0, "init");
+        return;
+    }
+    static void *b[300];
+    span_blocks l = {b, 300};
+    sp_job_desc j = {.fn = alloc_job, .arg = &l, .pinned = true, .worker = 1, .name = "alloc"};
+    sp_frame_begin();
+    sp_submit(&j, 1, NULL);
+    sp_frame_end();
+    for (int i = 0; i < l.n; i++) sp_tcache_free(b[i]); /* remote: into the worker's inboxes */
+    sp_tcache_status st;
+    sp_tcache_status_get(&st);
+    size_t pending = st.remote_pending;
+    /* The worker tidies once per frame end, when it next goes idle: frames with a job for it
+     * until it has (it may have slept through a frame end before the frees). */
+    j = (sp_job_desc){.fn = nop_job, .pinned = true, .worker = 1, .name = "nop"};
+    int frames = 0;
+    for (uint64_t t0 = sp_time_ns(); st.remote_pending > 0 && sp_time_ns() - t0 < 10000000000u;
+         frames++) {
+        sp_frame_begin();
+        sp_submit(&j, 1, NULL);
+        sp_frame_end();
+        nanosleep(&(struct timespec){.tv_nsec = 1000000}, NULL);
+        sp_tcache_status_get(&st);
+    }
+    ok(pending >= 300 && st.remote_pending == 0,
+       "an idle worker took its inbox back (%zu blocks pending, %zu after %d frames)", pending,
+       st.remote_pending, frames);
+    is_int(sp_shutdown(), SP_OK, "shutdown");
+}
+
 int main(void) {
     test_before_init();
     test_regions();
@@ -670,5 +716,6 @@ int main(void) {
     test_attach();
     test_attach_offline();
     test_frame_tidy();
+    test_worker_tidy();
     return done();
 }

@@ -333,6 +333,6 @@ int ts_fill_spans(size_t size, void **b, int max, int spans, int *first) {
         if (base != cur) first[begun++] = n;
         cur = base;
     }
-    first[spans] = n;
+    for (int i = begun; i <= spans; i++) first[i] = n; /* max ran out: the rest empty */
     return n;
 }

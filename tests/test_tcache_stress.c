@@ -3,11 +3,13 @@
  * took out, so most frees happen on another thread than the allocation. Every thread detaches
  * now and then mid-run (its spans become orphans that others adopt; its blocks are still freed
  * by others). Swept over 1, 2, 4 and 8 threads; each sweep ends with the leak check: every
- * status figure back to zero after the last detach and a trim. */
+ * status figure back to zero after the last detach and a trim. Then frees racing their
+ * owner's exit, each orphan they empty returned by the next tidy. */
 #include <stdatomic.h>
 #include <string.h>
 
 #include "sp_tcache.h"
+#include "tcache_heap.h"
 #include "test_support.h"
 
 enum { SLOTS = 512, MAX_THREADS = 8 };
@@ -127,10 +129,62 @@ static void sweep(int threads, int iterations) {
        st.span_heap.live_blocks, st.large_heap.live_blocks);
 }
 
+/* A block freed on another thread while its owner exits: the free's push either reaches the
+ * owner's drain or lands in an orphan (its span was orphaned with the block live), and then
+ * sp_tcache_tidy must see that an orphan was freed into and return the empty orphan. */
+typedef struct handoff {
+    void *block;
+    atomic_int published, leave;
+} handoff;
+
+static void *owner_exits(void *arg) {
+    handoff *h = arg;
+    h->block = sp_tcache_alloc(3000);
+    atomic_store(&h->published, 1);
+    while (!atomic_load(&h->leave)) sp_thread_yield();
+    return NULL; /* exit: the cache drains, a span with the block still live is orphaned */
+}
+
+static void *frees_while_owner_exits(void *arg) {
+    handoff *h = arg;
+    while (!atomic_load(&h->published)) sp_thread_yield();
+    atomic_store(&h->leave, 1);
+    sp_tcache_free(h->block);
+    return NULL;
+}
+
+static size_t orphans(void) {
+    size_t n = 0;
+    for (uint32_t k = 0; k < SP_TCACHE_CLASSES; k++) n += atomic_load(&tc.orphan_count[k]);
+    return n;
+}
+
+static void race_orphaning(int rounds) {
+    int left = 0;
+    for (int r = 0; r < rounds; r++) {
+        handoff h = {0};
+        sp_thread a, b;
+        sp_thread_start(&a, owner_exits, &h, "sp-owner");
+        sp_thread_start(&b, frees_while_owner_exits, &h, "sp-freer");
+        sp_thread_join(a);
+        sp_thread_join(b);
+        sp_tcache_tidy();
+        if (orphans()) {
+            left++;
+            sp_tcache_trim();
+        }
+    }
+    ok(left == 0, "%d frees racing their owner's exit: tidy returned every orphan they emptied "
+                  "(%d left)",
+       rounds, left);
+    sp_tcache_trim();
+}
+
 int main(void) {
-    plan(12);
+    plan(13);
     int iterations = (int)ts_scaled(200000, 8);
     const int counts[] = {1, 2, 4, 8};
     for (int i = 0; i < 4; i++) sweep(counts[i], iterations / counts[i]);
+    race_orphaning((int)ts_scaled(2000, 8));
     return done();
 }
