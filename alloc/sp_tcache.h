@@ -26,7 +26,8 @@
  * an exited one's work reuses pages that are resident already. sp_tcache_trim returns the
  * caller's and the shared fallback cache's empty spans, the empty orphans and the spares. A
  * thread that frees before it ever allocated attaches too (its remote frees are counted in its
- * cache); after its exit hook ran, a thread's calls go through the fallback cache under a lock.
+ * cache); after its exit hook ran, a thread's calls go through the fallback cache under a lock,
+ * and so do an unattached thread's when the desc asks for explicit_attach.
  * sp_tcache_tls is an initial-exec thread-local: a shared library holding it must be loaded
  * with the program (or preloaded), not dlopen'ed into a running process.
  *
@@ -90,6 +91,10 @@ typedef struct sp_tcache_desc {
     uint32_t keep_detached; /* spares per class: empty spans of detached caches kept, still
                                cut into blocks, for other caches (0: 8); a detaching cache's
                                empty spans beyond that go back to the central heap */
+    bool explicit_attach;   /* threads get a cache of their own only from
+                               sp_tcache_thread_attach; the others share the fallback cache
+                               under its lock (the runtime sets it, so that no cache it does
+                               not know of outlives sp_shutdown) */
 } sp_tcache_desc;
 
 typedef struct sp_tcache_status {
@@ -126,8 +131,10 @@ typedef struct sp_tcache_status {
 sp_result sp_tcache_init(const sp_tcache_desc *desc);
 
 /* Detach the calling thread, return everything to the OS (release our reservation; a given
- * region is decommitted), forget all state. Every other thread must be detached. Returns the
- * number of blocks still live (0: no leak); their memory is gone. */
+ * region is decommitted), forget all state. Returns the number of blocks still live (0: no
+ * leak); their memory is gone. Misuse: another thread still attached (its next call would
+ * use a cache that is gone): reported (SP_ERR_INVALID_ARG), nothing torn down (the caller is
+ * detached and trimmed), SIZE_MAX returned. */
 size_t sp_tcache_shutdown(void);
 
 /* Give the calling thread a cache now (it gets one on its first allocation otherwise).

@@ -574,13 +574,20 @@ void sp_tcache_thread_detach(void) {
     tcache_destroy(c);
 }
 
-/* The cache to use on the calling thread, attaching it if needed; *locked: it is the shared
- * fallback (exited thread, or no memory for a cache of its own), whose lock is now held. */
+/* Whether the calling thread, not attached, now has a cache of its own: not after its exit
+ * hook ran, not when attaches must be explicit, not when there is no memory for one. */
+static bool attach_implicitly(void) {
+    return !tls_exited && tcache_ready() && !tc.explicit_attach &&
+           sp_tcache_thread_attach() == SP_OK;
+}
+
+/* The cache to use on the calling thread, attaching it if it may; *locked: it is the shared
+ * fallback (see attach_implicitly), whose lock is now held. */
 static cache *cache_get(bool *locked) {
     *locked = false;
     cache *c = (cache *)sp_tcache_tls;
     if (SP_LIKELY(c != &unattached)) return c;
-    if (!tls_exited && sp_tcache_thread_attach() == SP_OK) return (cache *)sp_tcache_tls;
+    if (attach_implicitly()) return (cache *)sp_tcache_tls;
     if (!tcache_ready()) return NULL;
     sp_mutex_lock(&tc.fallback_lock);
     *locked = true;
@@ -719,18 +726,19 @@ TRACK_INTERNAL static void block_free(void *p, const char *call) {
         span *s = span_of(p);
         if (!tcache_block_check(s, p, call)) return;
         cache *self = (cache *)sp_tcache_tls;
-        if (self == &unattached && tls_exited) {
-            /* An exited thread: the fallback may own the span. */
-            sp_mutex_lock(&tc.fallback_lock);
-            if (__atomic_load_n(&s->pub.owner, __ATOMIC_ACQUIRE) == &tc.fallback.pub)
-                block_free_owner(&tc.fallback, s, p);
-            else
-                block_free_remote(NULL, s, p);
-            sp_mutex_unlock(&tc.fallback_lock);
-            return;
-        }
-        if (self == &unattached && sp_tcache_thread_attach() == SP_OK)
+        if (self == &unattached) {
+            if (!attach_implicitly()) {
+                /* The thread uses the fallback, which may own the span. */
+                sp_mutex_lock(&tc.fallback_lock);
+                if (__atomic_load_n(&s->pub.owner, __ATOMIC_ACQUIRE) == &tc.fallback.pub)
+                    block_free_owner(&tc.fallback, s, p);
+                else
+                    block_free_remote(NULL, s, p);
+                sp_mutex_unlock(&tc.fallback_lock);
+                return;
+            }
             self = (cache *)sp_tcache_tls; /* counts its remote frees from now on */
+        }
         if (__atomic_load_n(&s->pub.owner, __ATOMIC_RELAXED) == &self->pub)
             block_free_owner(self, s, p);
         else
@@ -899,6 +907,7 @@ static sp_result init_locked(const sp_tcache_desc *desc) {
     tc.own_region = !d.region;
     tc.keep_empty = d.keep_empty;
     tc.keep_detached = d.keep_detached;
+    tc.explicit_attach = d.explicit_attach;
     sp_tcache_g.key = key_make();
     classes_init((uint32_t)d.max_class);
     size_t half = d.region_size / 2;
@@ -936,10 +945,12 @@ size_t sp_tcache_shutdown(void) {
     sp_tcache_trim();
     sp_tcache_status st;
     sp_tcache_status_get(&st);
-    size_t live = st.live_blocks;
-    if (st.caches)
+    if (st.caches) {
         sp_misuse(SP_ERR_INVALID_ARG, "sp_tcache_shutdown", NULL,
-                  "%zu thread caches are still attached", st.caches);
+                  "%zu other threads are still attached: not shut down", st.caches);
+        return SIZE_MAX;
+    }
+    size_t live = st.live_blocks;
     atomic_store_explicit(&tc.ready, false, memory_order_release);
     if (tc.tss_ok) tss_delete(tc.tss);
     heap_close(&tc.spans);

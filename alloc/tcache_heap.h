@@ -33,6 +33,7 @@ typedef struct tcache_state {
     bool own_region;
     heap spans, large;
     uint32_t max_class, class_count, keep_empty, keep_detached;
+    bool explicit_attach;
     /* direct[] entries of class k: [direct_first[k], direct_end[k]) (end 0: none) */
     uint8_t direct_first[SP_TCACHE_CLASSES], direct_end[SP_TCACHE_CLASSES];
 

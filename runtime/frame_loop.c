@@ -27,7 +27,7 @@ bool rt_may_compact(void *user) {
 }
 
 sp_result sp_frame_begin(void) {
-    sp_result r = rt_main_only("sp_frame_begin");
+    sp_result r = rt_frame_loop_only("sp_frame_begin");
     if (r != SP_OK) return r;
     if (sp_rt.in_frame) {
         sp_log(SP_LOG_ERROR, SP_ERR_INVALID_ARG, "sp_frame_begin", NULL,
@@ -46,6 +46,7 @@ sp_result sp_frame_begin(void) {
  * then compaction. */
 static void between_frames(sp_frame_stats *st) {
     uint64_t t0 = sp_time_ns(), budget = sp_rt.desc.between_budget_ns;
+    sp_rt.in_between = true; /* the frame loop refuses to be entered from here */
     st->trimmed_bytes = sp_tcache_tidy();
     atomic_fetch_add_explicit(&sp_rt.tidy_epoch, 1, memory_order_relaxed);
     /* A work may add or remove works (itself included) while it runs: the walk reads the
@@ -73,11 +74,12 @@ static void between_frames(sp_frame_stats *st) {
     } else {
         st->between_skipped++;
     }
+    sp_rt.in_between = false;
     st->between_ns = sp_time_ns() - t0;
 }
 
 sp_result sp_frame_end(void) {
-    sp_result r = rt_main_only("sp_frame_end");
+    sp_result r = rt_frame_loop_only("sp_frame_end");
     if (r != SP_OK) return r;
     if (!sp_rt.in_frame) {
         sp_log(SP_LOG_ERROR, SP_ERR_INVALID_ARG, "sp_frame_end", NULL,

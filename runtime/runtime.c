@@ -28,6 +28,7 @@ static _Thread_local bool tls_attached;
 _Thread_local bool rt_main;
 static _Thread_local bool tls_offline; /* an attached thread between sp_thread_offline/_online */
 static _Thread_local uint64_t tls_tidy_epoch; /* the last frame end this thread tidied after */
+static _Thread_local bool tls_own_cache;     /* a runtime thread with a cache of its own */
 
 #define MiB ((size_t)1 << 20)
 #define GiB ((size_t)1 << 30)
@@ -48,6 +49,35 @@ sp_result rt_main_only(const char *call) {
     sp_log(SP_LOG_ERROR, SP_ERR_INVALID_ARG, call, NULL,
            "must be called on the main thread (the one that called sp_init)");
     return SP_ERR_INVALID_ARG;
+}
+
+sp_result rt_frame_loop_only(const char *call) {
+    sp_result r = rt_main_only(call);
+    if (r != SP_OK || SP_LIKELY(!sp_rt.in_between)) return r;
+    sp_log(SP_LOG_ERROR, SP_ERR_INVALID_ARG, call, NULL,
+           "called from sp_frame_end's between-frames step (a work or a relocation callback)");
+    return SP_ERR_INVALID_ARG;
+}
+
+/* ---- the runtime threads' own caches --------------------------------------------------- */
+
+/* A cache for the calling runtime thread, counted in own_caches before it exists (see
+ * runtime.own_caches). Without memory for one the thread shares the fallback cache. */
+static sp_result own_cache_attach(void) {
+    atomic_fetch_add(&sp_rt.own_caches, 1);
+    sp_result r = sp_tcache_thread_attach();
+    if (r == SP_OK)
+        tls_own_cache = true;
+    else
+        atomic_fetch_sub(&sp_rt.own_caches, 1);
+    return r;
+}
+
+static void own_cache_detach(void) {
+    if (!tls_own_cache) return;
+    sp_tcache_thread_detach();
+    tls_own_cache = false;
+    atomic_fetch_sub(&sp_rt.own_caches, 1);
 }
 
 /* ---- QSBR ------------------------------------------------------------------------------ */
@@ -95,13 +125,16 @@ static void reclaim_batch(void) {
 
 static void *reclaimer_main(void *arg) {
     (void)arg;
+    own_cache_attach(); /* what it frees may have been retired from any thread's cache */
     for (;;) {
         uint32_t seq = atomic_load(&sp_rt.reclaim_seq);
         bool stop = atomic_load(&sp_rt.reclaim_stop);
         reclaim_batch();
-        if (stop) return NULL; /* the last batch ran after stop was seen */
+        if (stop) break; /* the last batch ran after stop was seen */
         if (!atomic_load(&sp_rt.retire_list)) sp_futex_wait((uint32_t *)&sp_rt.reclaim_seq, seq, 0);
     }
+    own_cache_detach();
+    return NULL;
 }
 
 static void reclaimer_wake(void) {
@@ -147,13 +180,14 @@ static void handle_retire(void *user, void *old, void (*free_fn)(void *)) {
 
 static void hook_thread_start(void *user, uint32_t worker) {
     (void)user;
+    own_cache_attach();
     qsbr_register();
     USER_HOOK(thread_start, worker);
 }
 static void hook_thread_stop(void *user, uint32_t worker) {
     (void)user;
     USER_HOOK(thread_stop, worker);
-    sp_tcache_thread_detach();
+    own_cache_detach();
     qsbr_unregister();
 }
 static void hook_job_begin(void *user, uint32_t worker, const char *name) {
@@ -217,6 +251,9 @@ static sp_result desc_fill(const sp_desc *in, sp_desc *d) {
     if (d->heap_size > max || d->frame_size > max || d->handle_size > max ||
         d->persistent_size > max)
         return sp_misuse(SP_ERR_OVERFLOW, "sp_init", in, "a region size is above 64 TiB");
+    if (d->heap_size && d->heap_size < 64 * MiB)
+        return sp_misuse(SP_ERR_INVALID_ARG, "sp_init", in,
+                         "heap_size %zu is below 64 MiB (the thread caches' least)", d->heap_size);
     uint64_t mem = sp_memory_size();
     if (!mem) mem = 4 * (uint64_t)GiB;
     if (!d->heap_size) d->heap_size = clamp_size(mem / 2, 256 * MiB, 64 * GiB);
@@ -265,7 +302,8 @@ static void platform_stop(void) {
 
 static sp_result heap_start(void) {
     sp_tcache_desc td = {.region = sp_rt.region[SP_REGION_HEAP].base,
-                         .region_size = sp_rt.region[SP_REGION_HEAP].size};
+                         .region_size = sp_rt.region[SP_REGION_HEAP].size,
+                         .explicit_attach = true};
     return sp_tcache_init(&td);
 }
 static void heap_stop(void) {
@@ -276,14 +314,15 @@ static void heap_stop(void) {
 }
 
 static sp_result caches_start(void) {
-    return sp_tcache_thread_attach();
+    return own_cache_attach();
 }
 static void caches_stop(void) {
-    sp_tcache_thread_detach();
+    own_cache_detach();
 }
 
 static void *arena_heap_alloc(void *user, size_t align, size_t size) {
     (void)user;
+    if (align > ((size_t)1 << 30)) return NULL; /* above the caches' 1 GiB: an overflow */
     return sp_tcache_aligned_alloc(align, size);
 }
 static void arena_heap_free(void *user, void *p) {
@@ -434,7 +473,7 @@ const char *sp_init_failure(void) {
 }
 
 sp_result sp_shutdown(void) {
-    sp_result r = rt_main_only("sp_shutdown"); /* not initialised or shut down already, too */
+    sp_result r = rt_frame_loop_only("sp_shutdown"); /* not initialised or shut down already */
     if (r != SP_OK) return r;
     if (sp_rt.in_frame) {
         sp_log(SP_LOG_ERROR, SP_ERR_INVALID_ARG, "sp_shutdown", NULL,
@@ -447,6 +486,19 @@ sp_result sp_shutdown(void) {
         atomic_store(&sp_rt.stopping, false);
         sp_log(SP_LOG_ERROR, SP_ERR_INVALID_ARG, "sp_shutdown", NULL,
                "%u threads are still attached: sp_thread_detach them first", attached);
+        return SP_ERR_INVALID_ARG;
+    }
+    /* Any other cache came from sp_tcache_thread_attach called directly: its thread would
+     * use it after the heap is gone. */
+    sp_tcache_status ts;
+    sp_tcache_status_get(&ts);
+    uint32_t own = atomic_load(&sp_rt.own_caches);
+    if (ts.caches > own) {
+        atomic_store(&sp_rt.stopping, false);
+        sp_log(SP_LOG_ERROR, SP_ERR_INVALID_ARG, "sp_shutdown", NULL,
+               "%zu threads attached with sp_tcache_thread_attach: sp_tcache_thread_detach them "
+               "first",
+               ts.caches - own);
         return SP_ERR_INVALID_ARG;
     }
     /* The scheduler first: it runs every pending job (frame jobs included) and gives the

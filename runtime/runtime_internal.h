@@ -61,11 +61,16 @@ typedef struct runtime {
      * refuses (and clears `stopping` again). */
     _Atomic uint32_t attached;
     _Atomic bool stopping;
+    /* Caches of the runtime's own threads (main, workers, reclaimer), counted before they
+     * attach: the thread caches give a cache only to threads that ask (explicit_attach), so
+     * sp_shutdown knows every cache there is. */
+    _Atomic uint32_t own_caches;
     _Atomic uint64_t tidy_epoch; /* bumped by sp_frame_end: workers tidy when they go idle */
 
     /* Frame loop: written by the main thread only (in_frame and frame atomically: sp_status_get
      * reads them from any thread). */
     bool in_frame;
+    bool in_between; /* sp_frame_end's between-frames step runs (works, compaction) */
     uint64_t frame;
     uint64_t frame_t0;
     uint64_t jobs_run_t0;
@@ -85,6 +90,9 @@ SP_HIDDEN extern _Thread_local bool rt_main;
 /* SP_OK on the main thread of a running runtime; otherwise logs `call` and returns
  * SP_ERR_SHUTDOWN (not running) or SP_ERR_INVALID_ARG (another thread). */
 SP_HIDDEN sp_result rt_main_only(const char *call);
+/* rt_main_only, and SP_ERR_INVALID_ARG (logged) from inside sp_frame_end's between-frames step
+ * (a work or a relocation callback): sp_frame_begin, sp_frame_end and sp_shutdown. */
+SP_HIDDEN sp_result rt_frame_loop_only(const char *call);
 /* Whether the runtime is up (any thread: `up` changes only in sp_init / sp_shutdown). */
 static inline bool rt_up(void) {
     return __atomic_load_n(&sp_rt.up, __ATOMIC_ACQUIRE);

@@ -31,7 +31,9 @@
  * compaction step may move a resolved block at any time; it holds the heap lock, so alloc, free,
  * pin and unpin wait for it, and a pinned block never moves). The jobs it submits follow the
  * same handle rule: compaction checks once, before it starts, that no job is live, and a job
- * submitted after that check runs beside it.
+ * submitted after that check runs beside it. A thread that never attached still may use the
+ * thread caches: it shares their fallback cache, under a lock (the runtime's caches are
+ * explicit_attach: no cache it does not know of outlives sp_shutdown).
  *
  * Concurrency:
  *   sp_init, sp_shutdown, sp_frame_begin, sp_frame_end,      the main thread (the one that
@@ -59,6 +61,8 @@
  *
  * Errors: calls before sp_init or after sp_shutdown, sp_init twice and sp_shutdown twice are
  * logged (SP_ERR_SHUTDOWN / SP_ERR_INVALID_ARG) and return an error or NULL; they never abort.
+ * sp_frame_begin, sp_frame_end and sp_shutdown called from sp_frame_end's between-frames step
+ * are refused the same way (SP_ERR_INVALID_ARG).
  */
 #ifndef SP_RUNTIME_H
 #define SP_RUNTIME_H
@@ -82,7 +86,8 @@ typedef struct sp_desc {
     uint32_t canary_begin;  /* must be 0: a desc that was not zero-initialised is refused */
     bool huge_pages;        /* ask for huge pages for the reservation (granted: sp_status) */
     size_t heap_size;       /* central heap region: thread caches and large blocks
-                               (0: half the physical memory, 256 MiB .. 64 GiB) */
+                               (0: half the physical memory, 256 MiB .. 64 GiB; at least
+                               64 MiB, less is refused: SP_ERR_INVALID_ARG) */
     size_t frame_size;      /* bytes per frame buffer (0: physical memory / 64, 16 .. 256 MiB) */
     uint32_t frame_buffers; /* 0: 2; at most 4. Frame i uses buffer i mod N; its data lives
                                through frame i + N - 1 */
@@ -153,7 +158,8 @@ typedef struct sp_status {
 /* Start the runtime; the calling thread becomes its main thread (and the scheduler's worker
  * 0). desc may be NULL (all defaults). Cost: a reservation, thread starts, the scheduler's
  * fiber pool. Returns SP_OK; SP_ERR_INVALID_ARG (logged: a canary not zero, frame_buffers
- * above 4, already initialised); or the failing subsystem's error, everything started so far
+ * above 4, heap_size below 64 MiB, already initialised); SP_ERR_OVERFLOW (a region above
+ * 64 TiB); or the failing subsystem's error, everything started so far
  * stopped again (sp_init_failure names the subsystem). */
 sp_result sp_init(const sp_desc *desc);
 
@@ -163,9 +169,11 @@ const char *sp_init_failure(void);
 
 /* Run every pending job, stop the subsystems in reverse order, release the reservation.
  * Returns SP_OK; SP_ERR_SHUTDOWN (logged) if not initialised; SP_ERR_INVALID_ARG (logged,
- * nothing stopped) inside a frame, from a job or with threads still attached; or the
- * scheduler's SP_ERR_STALLED when jobs had to be abandoned (the rest is still stopped).
- * Leaks are reported through the logger (blocks still live in the heap or handle heap). */
+ * nothing stopped) inside a frame, from a job, from sp_frame_end's between-frames step (a
+ * work or a relocation callback), with threads still attached, or with a thread that attached
+ * to the thread caches directly (sp_tcache_thread_attach); or the scheduler's SP_ERR_STALLED
+ * when jobs had to be abandoned (the rest is still stopped). Leaks are reported through the
+ * logger (blocks still live in the heap or handle heap). */
 sp_result sp_shutdown(void);
 
 /* Attach a thread that is not a worker: a thread cache now and a QSBR registration (so that

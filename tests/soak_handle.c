@@ -12,8 +12,10 @@
  * Handle heap: after each frame's churn, sp_handle_compact(BUDGET_NS), then:
  *   - after every frame whose compaction caught up (finished its pass within the budget):
  *     external fragmentation (1 - largest free / free, free = holes + committed above the
- *     top) at most 1%; at least 90% of the frames must catch up; frames that ran out of
- *     budget are counted and their worst fragmentation reported;
+ *     top) at most 1%; at least 90% of the frames must catch up, not counting frames whose
+ *     compaction lost a quarter of its wall-time budget to preemption (thread CPU time against
+ *     wall time); frames that ran out of budget are counted and their worst fragmentation
+ *     reported;
  *   - after every frame whose compaction caught up with at least 1 MiB live: committed
  *     memory at most the bytes live objects asked for + 5% (the issue's bound; below 1 MiB
  *     the 16 KiB commit steps alone can exceed 5%);
@@ -31,6 +33,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "sp_handle.h"
 #include "sp_platform.h"
@@ -55,6 +58,12 @@ typedef struct churn {
 
 static obj objs[MAX_OBJS];
 static uint64_t *ns_all; /* compaction time per frame */
+
+static uint64_t thread_cpu_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
 
 static int cmp_u64(const void *a, const void *b) {
     uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
@@ -107,7 +116,7 @@ typedef struct result {
     double live_over_max; /* the same over caught-up frames with live >= 1 MiB */
     uint32_t bad_live;    /* such frames above live + 5% */
     double need_over_max; /* committed / needed - 1, max */
-    uint32_t checked_frames, first_caught_up, frames_not_caught_up;
+    uint32_t checked_frames, first_caught_up, frames_not_caught_up, frames_preempted;
     uint32_t bad_frag, bad_mem;
     uint64_t moved, compact_ns_max, compact_ns_sum;
     size_t live_end, mem_end, live_peak, mem_peak;
@@ -151,7 +160,12 @@ static void soak_handle(uint32_t frames, result *res) {
             memset(p, o->tag, o->size);
         }
         sp_handle_compact_stats cs;
+        uint64_t cpu0 = thread_cpu_ns();
         sp_handle_compact(hp, BUDGET_NS, &cs);
+        /* The budget is wall time: a compaction that lost a quarter of it to preemption (a
+         * loaded machine) is not held against the catch-up rate. */
+        uint64_t cpu = thread_cpu_ns() - cpu0;
+        if (!cs.caught_up && cs.ns > cpu + BUDGET_NS / 4) res->frames_preempted++;
         res->moved += cs.bytes_moved;
         res->compact_ns_sum += cs.ns;
         ns_all[f] = cs.ns;
@@ -321,9 +335,10 @@ int main(int argc, char **argv) {
          "after those: max %.2f%%; frames above 1%% in all: %u",
          r.frames_not_caught_up, 100.0 * r.frames_not_caught_up / frames, r.frag_behind_max * 100,
          r.frames_over_1pct);
-    ok(r.bad_frag == 0 && r.checked_frames > frames * 9 / 10,
-       "fragmentation <= 1%% after every frame whose compaction caught up (%u frames, %u over)",
-       r.checked_frames, r.bad_frag);
+    ok(r.bad_frag == 0 && r.checked_frames > (frames - r.frames_preempted) * 9 / 10,
+       "fragmentation <= 1%% after every frame whose compaction caught up (%u frames, %u over; "
+       "%u more preempted)",
+       r.checked_frames, r.bad_frag, r.frames_preempted);
     ok(r.bad_live == 0,
        "committed memory <= live bytes (asked for) + 5%% after every frame whose compaction "
        "caught up with at least 1 MiB live (max %.2f%% over, %u frames above)",

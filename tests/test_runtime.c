@@ -253,6 +253,16 @@ static void test_overflow(sp_frame_overflow mode) {
         sp_tcache_status_get(&after);
         ok(after.large_blocks == before.large_blocks && after.bytes_used == before.bytes_used,
            "%s: the heap blocks are freed when the buffer comes round", name);
+        /* An alignment past what the central heap serves (1 GiB): an overflow like any. */
+        sp_frame_begin();
+        ts_log_capture();
+        void *p = sp_arena_aligned_alloc((size_t)1 << 31, 16);
+        ok(p == NULL && ts_logged.count == 1 &&
+               !strcmp(ts_logged.last_call, "sp_frame_aligned_alloc"),
+           "%s: a 2 GiB alignment is an overflow, reported once by the arena (%s)", name,
+           ts_logged.last_call);
+        ts_log_release();
+        sp_frame_end();
     }
     is_int(sp_shutdown(), SP_OK, "shutdown (%s)", name);
 }
@@ -704,6 +714,115 @@ static void test_worker_tidy(void) {
     is_int(sp_shutdown(), SP_OK, "shutdown");
 }
 
+/* A thread the runtime does not know of: allocates and frees through the thread caches
+ * (the shared fallback cache: the runtime's caches are given only on request), waits while
+ * the main thread shuts the runtime down, then allocates again. */
+static pthread_barrier_t stray_bar;
+
+static void *stray_thread(void *arg) {
+    int *r = arg;
+    void *p = sp_tcache_alloc(100);
+    r[0] = p != NULL && sp_tcache_owner_thread(p) == 0; /* the fallback's: no thread */
+    sp_tcache_free(p);
+    pthread_barrier_wait(&stray_bar); /* A: main checks, shuts down */
+    pthread_barrier_wait(&stray_bar); /* B */
+    void *q = sp_tcache_alloc(100); /* a standalone thread cache now (defaults) */
+    r[1] = q != NULL;
+    sp_tcache_free(q);
+    return NULL;
+}
+
+static void *direct_attach_thread(void *arg) {
+    int *r = arg;
+    r[0] = sp_tcache_thread_attach();
+    pthread_barrier_wait(&stray_bar); /* A: main tries to shut down */
+    pthread_barrier_wait(&stray_bar); /* B */
+    sp_tcache_thread_detach();
+    pthread_barrier_wait(&stray_bar); /* C: main shuts down */
+    return NULL;
+}
+
+/* No thread cache outlives sp_shutdown: a thread that never attached shares the fallback
+ * cache (and after the shutdown gets a standalone one), and a thread that attached to the
+ * thread caches directly makes sp_shutdown refuse. */
+static void test_stray_threads(void) {
+    sp_desc d = small_desc(1);
+    sp_init(&d);
+    int r[2] = {0, 0};
+    pthread_barrier_init(&stray_bar, NULL, 2);
+    pthread_t t;
+    pthread_create(&t, NULL, stray_thread, r);
+    pthread_barrier_wait(&stray_bar);
+    ok(r[0], "a thread that did not attach allocates from the shared fallback cache");
+    is_int(sp_shutdown(), SP_OK, "shutdown with such a thread running");
+    pthread_barrier_wait(&stray_bar);
+    pthread_join(t, NULL);
+    ok(r[1], "after the shutdown it allocates again (a standalone thread cache)");
+    ts_log_capture();
+    is_int((int)sp_tcache_shutdown(), 0, "... which shuts down with nothing leaked");
+    ts_log_release();
+
+    sp_init(&d);
+    int a[1] = {-99};
+    pthread_create(&t, NULL, direct_attach_thread, a);
+    pthread_barrier_wait(&stray_bar);
+    ts_log_capture();
+    sp_result refused = sp_shutdown();
+    ok(a[0] == SP_OK && refused == SP_ERR_INVALID_ARG &&
+           strstr(ts_logged.last_message, "sp_tcache_thread_attach") != NULL,
+       "a thread attached with sp_tcache_thread_attach makes shutdown refuse, saying why");
+    ts_log_release();
+    sp_frame_begin(); /* the runtime still works after the refusal */
+    sp_frame_end();
+    pthread_barrier_wait(&stray_bar);
+    pthread_barrier_wait(&stray_bar);
+    is_int(sp_shutdown(), SP_OK, "shutdown once it detached");
+    pthread_join(t, NULL);
+    pthread_barrier_destroy(&stray_bar);
+}
+
+static sp_result reentry[3];
+
+static void work_reenters(void *user, uint64_t budget_ns) {
+    (void)user;
+    (void)budget_ns;
+    reentry[0] = sp_frame_begin();
+    reentry[1] = sp_frame_end();
+    reentry[2] = sp_shutdown();
+}
+
+/* The frame loop is not re-entered from its own between-frames step. */
+static void test_reentry(void) {
+    sp_desc d = small_desc(0);
+    sp_init(&d);
+    sp_between_frames_add("reenters", work_reenters, NULL);
+    ts_log_capture();
+    sp_frame_begin();
+    sp_result end = sp_frame_end();
+    int logged = ts_logged.count;
+    ts_log_release();
+    ok(reentry[0] == SP_ERR_INVALID_ARG && reentry[1] == SP_ERR_INVALID_ARG &&
+           reentry[2] == SP_ERR_INVALID_ARG && end == SP_OK && logged == 3,
+       "frame_begin, frame_end and shutdown from a between-frames work: refused and logged (%d)",
+       logged);
+    sp_between_frames_remove(work_reenters, NULL);
+    is_int(sp_frame_begin(), SP_OK, "the next frame opens");
+    sp_frame_end();
+    is_int(sp_shutdown(), SP_OK, "shutdown");
+}
+
+/* Desc sizes the subsystems cannot take are refused by sp_init itself. */
+static void test_desc_sizes(void) {
+    sp_desc d = small_desc(0);
+    d.heap_size = 1 << 20;
+    ts_log_capture();
+    sp_result r = sp_init(&d);
+    ok(r == SP_ERR_INVALID_ARG && !strcmp(ts_logged.last_call, "sp_init") &&
+           strstr(ts_logged.last_message, "heap_size") != NULL,
+       "a 1 MiB central heap: sp_init answers SP_ERR_INVALID_ARG naming heap_size");
+    ts_log_release();
+}
+
 int main(void) {
     test_before_init();
     test_regions();
@@ -717,5 +836,8 @@ int main(void) {
     test_attach_offline();
     test_frame_tidy();
     test_worker_tidy();
+    test_stray_threads();
+    test_reentry();
+    test_desc_sizes();
     return done();
 }

@@ -504,6 +504,38 @@ static void test_tidy(void) {
     sp_tcache_trim();
 }
 
+static sp_mutex attached_lock; /* held by main while the attached thread must stay */
+
+static void *stays_attached(void *arg) {
+    int *r = arg;
+    r[0] = sp_tcache_thread_attach();
+    atomic_store((atomic_int *)&r[1], 1);
+    sp_mutex_lock(&attached_lock); /* until main has tried to shut down */
+    void *p = sp_tcache_alloc(64);
+    r[2] = p != NULL && sp_tcache_owner_thread(p) == sp_thread_os_id();
+    sp_tcache_free(p);
+    sp_mutex_unlock(&attached_lock);
+    return NULL; /* detached at exit */
+}
+
+/* A shutdown while another thread is attached would pull its cache from under it: refused,
+ * nothing torn down. */
+static void test_shutdown_refused(void) {
+    int r[3] = {-99, 0, 0};
+    sp_mutex_lock(&attached_lock);
+    sp_thread t;
+    sp_thread_start(&t, stays_attached, r, "sp-attached");
+    while (!atomic_load((atomic_int *)&r[1])) sp_thread_yield();
+    ts_log_capture();
+    size_t got = sp_tcache_shutdown();
+    ok(r[0] == SP_OK && got == SIZE_MAX && ts_logged.last_id == SP_ERR_INVALID_ARG,
+       "shutdown with another thread attached: refused (SIZE_MAX, logged)");
+    ts_log_release();
+    sp_mutex_unlock(&attached_lock);
+    sp_thread_join(t);
+    ok(r[2], "... and that thread's cache still works");
+}
+
 static void test_leak_check(void) {
     sp_tcache_thread_detach();
     sp_tcache_trim();
@@ -524,7 +556,7 @@ static void test_leak_check(void) {
 }
 
 int main(void) {
-    plan(42);
+    plan(44);
     sp_tcache_desc desc = {.region_size = (size_t)1 << 30, .keep_detached = 2};
     ok(sp_tcache_init(&desc) == SP_OK, "init");
     test_classes();
@@ -540,6 +572,7 @@ int main(void) {
     test_detached_reuse();
     test_remote();
     test_tidy();
+    test_shutdown_refused();
     test_leak_check();
     /* Lazy initialisation with defaults, after a shutdown. */
     void *p = sp_tcache_alloc(10);
