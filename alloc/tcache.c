@@ -763,17 +763,6 @@ TRACK_INTERNAL void sp_tcache_free_generic(void *p) {
     track_leave();
 }
 
-void sp_tcache_free_sized(void *p, size_t size) {
-    if (!p) return;
-    size_t usable = sp_tcache_usable_size(p);
-    if (usable == 0) return; /* reported */
-    if (size > usable) {
-        sp_misuse(SP_ERR_INVALID_ARG, "sp_tcache_free_sized", p,
-                  "%p freed with size %zu, but its block holds %zu bytes", p, size, usable);
-        return;
-    }
-    sp_tcache_free(p);
-}
 
 /* Called by the owner when a free made its span empty (inline path or block_free_owner); never
  * for the current span (its bias keeps `used` above zero): that one stays, no ping-pong. */
@@ -819,6 +808,20 @@ TRACK_INTERNAL size_t sp_tcache_usable_size(const void *p) {
     size_t n = block_usable(p, "sp_tcache_usable_size");
     track_leave();
     return n;
+}
+
+void sp_tcache_free_sized(void *p, size_t size) {
+    if (!p) return;
+    track_enter();
+    size_t usable = block_usable(p, "sp_tcache_free_sized");
+    track_leave();
+    if (usable == 0) return; /* reported */
+    if (size > usable) {
+        sp_misuse(SP_ERR_INVALID_ARG, "sp_tcache_free_sized", p,
+                  "%p freed with size %zu, but its block holds %zu bytes", p, size, usable);
+        return;
+    }
+    sp_tcache_free(p);
 }
 
 TRACK_INTERNAL uint64_t sp_tcache_owner_thread(const void *p) {

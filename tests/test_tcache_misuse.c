@@ -122,6 +122,12 @@ static void test_reported(void) {
     ok(ts_logged.last_id == SP_ERR_INVALID_ARG && same(&before, &after),
        "free_sized with a size beyond the block: SP_ERR_INVALID_ARG, not freed");
     ts_log_reset();
+    sp_tcache_free_sized(live + 16, 16);
+    sp_tcache_status_get(&after);
+    ok(ts_logged.count == 1 && ts_logged.last_id == SP_ERR_INVALID_POINTER &&
+           !strcmp(ts_logged.last_call, "sp_tcache_free_sized") && same(&before, &after),
+       "free_sized of an interior pointer: reported under its own name, not freed");
+    ts_log_reset();
     ok(sp_tcache_alloc(SIZE_MAX) == NULL && sp_tcache_alloc(SIZE_MAX / 2) == NULL &&
            ts_logged.count == 0,
        "requests that cannot be met: NULL, not misuse");
@@ -155,7 +161,7 @@ static void test_fatal(void) {
 }
 
 int main(void) {
-    plan(43);
+    plan(44);
     test_reported();
     test_fatal();
     sp_tcache_free(live);
