@@ -54,6 +54,11 @@ uint32_t sp_jobs_worker_id(void) {
     return w ? w->id : SP_JOBS_NOT_A_WORKER;
 }
 
+bool sp_jobs_in_job(void) {
+    worker *w = jobs_current_worker();
+    return w && w->current_job;
+}
+
 /* ---- queues ---------------------------------------------------------------------------- */
 
 void jobs_mpsc_init(mpsc *q) {

@@ -197,6 +197,11 @@ sp_result sp_parallel_for(sp_jobs *s, uint64_t begin, uint64_t end, uint64_t gra
  * suspensions; call again after them). Cost: a non-inlined thread-local read. */
 uint32_t sp_jobs_worker_id(void);
 
+/* Whether the calling thread is running a job now (in the job's function or anything it
+ * calls; the main thread too while it runs jobs in a wait). For calls that must not come from
+ * a job. Cost: a non-inlined thread-local read. */
+bool sp_jobs_in_job(void);
+
 /* Figures since create. Any thread; each field is read atomically, the set is not a snapshot. */
 void sp_jobs_status_get(sp_jobs *s, sp_jobs_status *out);
 

@@ -45,9 +45,10 @@ bool rt_is_up(const char *call) {
 
 sp_result rt_main_only(const char *call) {
     if (!rt_is_up(call)) return SP_ERR_SHUTDOWN;
-    if (SP_LIKELY(rt_main)) return SP_OK;
-    sp_log(SP_LOG_ERROR, SP_ERR_INVALID_ARG, call, NULL,
-           "must be called on the main thread (the one that called sp_init)");
+    if (SP_LIKELY(rt_main && !sp_jobs_in_job())) return SP_OK;
+    sp_log(SP_LOG_ERROR, SP_ERR_INVALID_ARG, call, NULL, "%s",
+           rt_main ? "called from a job: the main thread's frame calls come from outside jobs"
+                   : "must be called on the main thread (the one that called sp_init)");
     return SP_ERR_INVALID_ARG;
 }
 

@@ -87,8 +87,9 @@ SP_HIDDEN extern runtime sp_rt;
  * checks of every frame call cost no system call). */
 SP_HIDDEN extern _Thread_local bool rt_main;
 
-/* SP_OK on the main thread of a running runtime; otherwise logs `call` and returns
- * SP_ERR_SHUTDOWN (not running) or SP_ERR_INVALID_ARG (another thread). */
+/* SP_OK on the main thread of a running runtime, outside jobs; otherwise logs `call` and
+ * returns SP_ERR_SHUTDOWN (not running) or SP_ERR_INVALID_ARG (another thread, or a job
+ * running on the main thread). */
 SP_HIDDEN sp_result rt_main_only(const char *call);
 /* rt_main_only, and SP_ERR_INVALID_ARG (logged) from inside sp_frame_end's between-frames step
  * (a work or a relocation callback): sp_frame_begin, sp_frame_end and sp_shutdown. */
