@@ -273,17 +273,32 @@ TRACK_INTERNAL sp_result sp_handle_free(sp_handle_heap *h, sp_handle x) {
     return SP_OK;
 }
 
+/* A pin refused because the block's count is at UINT32_MAX: one more would wrap it to 0 and
+ * let a free through. Off pin's path (called after the lock is dropped). */
+static SP_COLD void *pin_refuse(sp_handle x, void *p) {
+    sp_misuse(SP_ERR_LIMIT, "sp_handle_pin", p,
+              "handle 0x%x is pinned %u times (an unpin missing?): not pinned again", x.id,
+              UINT32_MAX);
+    return NULL;
+}
+
 /* Pin and unpin take the lock: a free of the same handle (which checks the pin count under
  * it) then either sees the pin or happens first, and the pin sees the handle dead. Without
  * it a pin could land on a block being freed, or on whatever reuses its header. */
 TRACK_INTERNAL void *sp_handle_pin(sp_handle_heap *h, sp_handle x) {
-    if (!h) return NULL;
+    if (SP_UNLIKELY(!h)) return NULL;
     track_enter();
     bool locked = heap_lock(h);
     void *p = sp_handle_resolve(h, x);
-    if (p) blk_of(p)->pins++;
+    bool full = false;
+    if (p) {
+        uint32_t n = blk_of(p)->pins;
+        full = n == UINT32_MAX;
+        blk_of(p)->pins = n + !full;
+    }
     heap_unlock(h, locked);
     track_leave();
+    if (SP_UNLIKELY(full)) return pin_refuse(x, p);
     return p;
 }
 
@@ -314,6 +329,10 @@ size_t sp_handle_size(sp_handle_heap *h, sp_handle x) {
 }
 
 void sp_handle_heap_status_get(sp_handle_heap *h, sp_handle_heap_status *out) {
+    if (!out) {
+        sp_misuse(SP_ERR_INVALID_ARG, "sp_handle_heap_status_get", h, "NULL out");
+        return;
+    }
     memset(out, 0, sizeof *out);
     if (!h) return;
     track_enter();
@@ -406,6 +425,11 @@ fail:
 
 TRACK_INTERNAL void sp_handle_heap_destroy(sp_handle_heap *h) {
     if (!h) return;
+    if (heap_busy(h)) { /* compaction would go on in freed memory */
+        sp_misuse(SP_ERR_BUSY, "sp_handle_heap_destroy", h,
+                  "destroy during compaction (from a relocation callback?)");
+        return;
+    }
     track_enter();
     if (TRACK_VALGRIND) /* memcheck keeps malloc-like blocks until told: forget live ones */
         for (hblk *b = (hblk *)h->base; (char *)b < h->top; b = blk_next(b))

@@ -11,6 +11,10 @@
     } while (0)
 
 TRACK_INTERNAL sp_result sp_handle_heap_check(sp_handle_heap *h) {
+    if (!h) return sp_misuse(SP_ERR_INVALID_ARG, "sp_handle_heap_check", NULL, "NULL heap");
+    if (heap_busy(h)) /* callbacks may run mid-step (hole_evacuate): a sound heap looks broken */
+        return sp_misuse(SP_ERR_BUSY, "sp_handle_heap_check", h,
+                         "check during compaction (from a relocation callback?)");
     sp_result r = SP_OK;
     track_enter();
     bool locked = heap_lock(h);

@@ -29,7 +29,8 @@ typedef struct hblk {
     uint32_t size; /* units, header included */
     uint32_t prev; /* units of the block below, 0 at the bottom */
     uint32_t id;   /* owning handle id; 0 = free */
-    uint32_t pins; /* live blocks only; under the heap lock (compaction holds it) */
+    uint32_t pins; /* live blocks only; under the heap lock (compaction holds it); never wraps:
+                      sp_handle_pin refuses a pin at UINT32_MAX */
 } hblk;
 
 /* A free block's payload: its links in the list of its size class. */

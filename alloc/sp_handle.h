@@ -55,10 +55,17 @@
  * free/unpin report it through the logger (sp_misuse) with SP_ERR_STALE_HANDLE (the handle's
  * own generation freed once more: SP_ERR_DOUBLE_FREE). Unpin of an unpinned handle:
  * SP_ERR_NOT_PINNED. Free of a pinned block: refused with SP_ERR_PINNED, the block stays live
- * and pinned. Compaction while desc.may_compact says no, from a relocation callback, or any
- * alloc/free during compaction: SP_ERR_BUSY. In debug builds (misuse fatal) each of these
- * aborts naming the call and the handle; in release the call returns the failure value and
- * changes nothing. Resolve itself never logs (it is the hot path): it just returns NULL.
+ * and pinned. A pin of a block already pinned 2^32 - 1 times (the count would wrap, and a free
+ * would then see it unpinned): refused with SP_ERR_LIMIT. Compaction while desc.may_compact
+ * says no, from a relocation callback, or any alloc/free/check/destroy during compaction:
+ * SP_ERR_BUSY. In debug builds (misuse fatal) each of these aborts naming the call and the
+ * handle; in release the call returns the failure value and changes nothing. Resolve itself
+ * never logs (it is the hot path): it just returns NULL.
+ *
+ * A NULL heap (sp_handles() before sp_init, say), every build: alloc, alloc_ex, free, unpin,
+ * compact and check report SP_ERR_INVALID_ARG (misuse, as above) and return {0} /
+ * SP_ERR_INVALID_ARG; resolve, pin and size answer as for a stale handle (NULL, NULL, 0; not
+ * logged); status_get fills zeros; destroy ignores it; free of {0} stays a no-op (SP_OK).
  *
  * Sanitizers (alloc/track.h): headers and holes are poisoned; a moved block's old bytes that
  * no live block now covers are poisoned, so a pointer kept across compaction faults under
@@ -85,7 +92,8 @@ typedef struct sp_handle_heap sp_handle_heap;
 
 /* Called by compaction after the block of `h` moved from old_ptr to new_ptr (its bytes are
  * already at new_ptr; old_ptr must not be dereferenced). Runs on the compacting thread. May
- * call resolve, pin, unpin and size; alloc, free and compact are refused (SP_ERR_BUSY). */
+ * call resolve, pin, unpin, size and status_get; alloc, free, compact, check and destroy are
+ * refused (SP_ERR_BUSY). */
 typedef void (*sp_handle_relocate_fn)(void *user, sp_handle h, void *new_ptr, void *old_ptr);
 
 /* Zero means the default for every field. */
@@ -146,7 +154,8 @@ sp_handle_heap *sp_handle_heap_create(const sp_handle_heap_desc *desc, sp_result
 
 /* Free everything: tables (retired ones kept here too), committed memory, and the reservation
  * if the heap made it. Live handles die silently (status first if you want to check). NULL is
- * ignored. Alone. */
+ * ignored. Alone; from a relocation callback it is refused (misuse SP_ERR_BUSY, nothing
+ * freed). */
 void sp_handle_heap_destroy(sp_handle_heap *h);
 
 /* Allocate `size` bytes aligned to `align` (a power of two; 0 means 16). Any thread; takes the
@@ -167,17 +176,20 @@ sp_handle sp_handle_alloc_ex(sp_handle_heap *h, size_t size, size_t align, sp_ha
 sp_result sp_handle_free(sp_handle_heap *h, sp_handle x);
 
 /* Pin: the pointer stays valid until the matching unpin (pins nest: n pins need n unpins).
- * Any thread; takes the heap lock (it waits for a compaction step in
- * progress). NULL for a stale or forged handle, or one freed meanwhile (not logged). From a
- * relocation callback it does not lock (the compacting thread holds the lock). */
+ * Any thread; takes the heap lock (it waits for a compaction step in progress). NULL for a
+ * stale or forged handle, or one freed meanwhile, or a NULL heap (not logged); NULL and misuse
+ * SP_ERR_LIMIT when the block holds 2^32 - 1 pins already (the count stays; an unpin missing,
+ * surely). From a relocation callback it does not lock (the compacting thread holds the
+ * lock). */
 void *sp_handle_pin(sp_handle_heap *h, sp_handle x);
 
 /* Drop one pin. Any thread; takes the heap lock (as pin). SP_OK; SP_ERR_STALE_HANDLE or
  * SP_ERR_NOT_PINNED (misuse; nothing changes). */
 sp_result sp_handle_unpin(sp_handle_heap *h, sp_handle x);
 
-/* Bytes asked for at allocation; 0 for a stale or forged handle. Any thread; takes the lock
- * (the size lives beside the table, which only the lock holder may read while it grows). */
+/* Bytes asked for at allocation; 0 for a stale or forged handle or a NULL heap. Any thread;
+ * takes the lock (the size lives beside the table, which only the lock holder may read while
+ * it grows). */
 size_t sp_handle_size(sp_handle_heap *h, sp_handle x);
 
 /* Compact for at most about budget_ns (0: until caught up). Between frames only (see the
@@ -217,14 +229,15 @@ size_t sp_handle_size(sp_handle_heap *h, sp_handle x);
 sp_result sp_handle_compact(sp_handle_heap *h, uint64_t budget_ns, sp_handle_compact_stats *out);
 
 /* Figures (see sp_handle_heap_status). Any thread; takes the lock. O(holes in the largest
- * size class). */
+ * size class). A NULL heap: zeros. A NULL out: misuse SP_ERR_INVALID_ARG, nothing written. */
 void sp_handle_heap_status_get(sp_handle_heap *h, sp_handle_heap_status *out);
 
 /* Validate every invariant: headers chain from the bottom to the top with matching sizes, no
  * two holes touch, the top block is live, each hole is in the list of its class, hole and live
  * totals match the counters, every live block's slot points at it and every live slot at a
  * live block. Reports the first violation through the logger (SP_ERR_CORRUPT, with its
- * address) and returns it; SP_OK when sound. Takes the lock; not during compaction. O(blocks +
+ * address) and returns it; SP_OK when sound. Takes the lock; not during compaction (from a
+ * relocation callback: misuse SP_ERR_BUSY). A NULL heap: misuse SP_ERR_INVALID_ARG. O(blocks +
  * slots). */
 sp_result sp_handle_heap_check(sp_handle_heap *h);
 
@@ -249,12 +262,14 @@ typedef struct sp_handle_heap_head {
     sp_handle_table *table; /* published with a release store on growth */
 } sp_handle_heap_head;
 
-/* The block's current address, or NULL for a stale or forged handle (or {0}). Valid until the
- * next compaction step. Any thread, concurrently with everything but compaction. Cost: four
- * loads (table pointer with acquire, mask and base on one line, the 8-byte slot), a compare,
- * a shift and an add; no lock, no read-modify-write, no logging. A slot index beyond the table
- * maps to a slot whose id cannot match. */
+/* The block's current address, or NULL for a stale or forged handle (or {0}) or a NULL heap.
+ * Valid until the next compaction step. Any thread, concurrently with everything but
+ * compaction. Cost: a NULL test (predicted not taken), four loads (table pointer with acquire,
+ * mask and base on one line, the 8-byte slot), a compare, a shift and an add; no lock, no
+ * read-modify-write, no logging. A slot index beyond the table maps to a slot whose id cannot
+ * match. */
 static inline void *sp_handle_resolve(sp_handle_heap *h, sp_handle x) {
+    if (__builtin_expect(h == NULL, 0)) return NULL;
     const sp_handle_table *t =
         __atomic_load_n(&((const sp_handle_heap_head *)(const void *)h)->table, __ATOMIC_ACQUIRE);
     uint64_t w = __atomic_load_n(&t->slots[x.id & t->mask].word, __ATOMIC_RELAXED);

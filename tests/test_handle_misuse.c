@@ -1,10 +1,12 @@
 /* Handle heap misuse: each SP_ERR_* is reported through the logger naming the call, and the
  * heap is unchanged (release behaviour, ts_log_capture); with the build's default policy
  * (debug builds: fatal) the same misuse kills the process with a message naming the call and
- * the handle (ts_dies). */
+ * the handle (ts_dies). White box where the real thing takes too long: the pin limit sets a
+ * block's pin count through handle_internal.h (as fuzz_tcache.c reads tcache_internal.h). */
 #include <stdio.h>
 #include <string.h>
 
+#include "handle_internal.h"
 #include "sp_handle.h"
 #include "test_support.h"
 
@@ -18,6 +20,13 @@ static bool reported(sp_result id, const char *call) {
              ts_logged.last_call);
     ts_log_reset();
     return r;
+}
+
+/* Set the pin count of x's block (its header is the allocator's: not instrumented). */
+TRACK_INTERNAL static void pins_set(sp_handle x, uint32_t n) {
+    track_enter();
+    blk_of(sp_handle_resolve(heap, x))->pins = n;
+    track_leave();
 }
 
 static bool same(const sp_handle_heap_status *a) {
@@ -35,7 +44,7 @@ static bool may_compact(void *user) {
 }
 
 /* A relocation callback that tries what is not allowed from inside compaction. */
-static sp_result from_cb_compact, from_cb_free;
+static sp_result from_cb_compact, from_cb_free, from_cb_check;
 static sp_handle from_cb_alloc = {1}, victim;
 static int cb_calls;
 static void bad_callback(void *user, sp_handle h, void *new_ptr, void *old_ptr) {
@@ -44,6 +53,8 @@ static void bad_callback(void *user, sp_handle h, void *new_ptr, void *old_ptr) 
     from_cb_compact = sp_handle_compact(heap, 0, NULL);
     from_cb_free = sp_handle_free(heap, victim);
     from_cb_alloc = sp_handle_alloc(heap, 10, 0);
+    from_cb_check = sp_handle_heap_check(heap);
+    sp_handle_heap_destroy(heap); /* refused: compaction goes on */
 }
 
 static void test_reported(void) {
@@ -100,8 +111,10 @@ static void test_reported(void) {
     sp_handle_free(heap, reused); /* a hole below c: c moves */
     ok(sp_handle_compact(heap, 0, NULL) == SP_OK && cb_calls >= 1, "compact calls the callback");
     ok(from_cb_compact == SP_ERR_BUSY && from_cb_free == SP_ERR_BUSY && from_cb_alloc.id == 0 &&
-           ts_logged.count == 3 && ts_logged.last_id == SP_ERR_BUSY,
-       "compact, free and alloc from a relocation callback: SP_ERR_BUSY each");
+           from_cb_check == SP_ERR_BUSY && ts_logged.count == 5 &&
+           ts_logged.last_id == SP_ERR_BUSY &&
+           strcmp(ts_logged.last_call, "sp_handle_heap_destroy") == 0,
+       "compact, free, alloc, check and destroy from a relocation callback: SP_ERR_BUSY each");
     ts_log_reset();
     ok(sp_handle_resolve(heap, b) != NULL && sp_handle_heap_check(heap) == SP_OK,
        "the block the callback tried to free is live");
@@ -110,8 +123,74 @@ static void test_reported(void) {
     ok(sp_handle_heap_create(&(sp_handle_heap_desc){.max_handles = (1u << 24) + 1}, &err) == NULL &&
            err == SP_ERR_INVALID_ARG && reported(SP_ERR_INVALID_ARG, "sp_handle_heap_create"),
        "create with too many handles: NULL, SP_ERR_INVALID_ARG");
+    sp_handle_heap_status_get(heap, &st);
+    sp_handle_heap_status_get(heap, NULL);
+    ok(reported(SP_ERR_INVALID_ARG, "sp_handle_heap_status_get") && same(&st),
+       "status into NULL: SP_ERR_INVALID_ARG, nothing written");
     sp_handle_free(heap, b);
     sp_handle_free(heap, c);
+    ts_log_release();
+}
+
+/* A NULL heap (sp_handles() before sp_init): no call crashes. The queries answer as for a
+ * stale handle, unlogged; the calls that report misuse report SP_ERR_INVALID_ARG. */
+static void test_null_heap(void) {
+    ts_log_capture();
+    sp_handle x = sp_handle_alloc(heap, 10, 0);
+    sp_handle_heap_status st;
+    memset(&st, 0xff, sizeof st);
+    sp_handle_heap_status_get(NULL, &st);
+    ok(sp_handle_resolve(NULL, x) == NULL && sp_handle_pin(NULL, x) == NULL &&
+           sp_handle_size(NULL, x) == 0 && st.live_handles == 0 && st.used_bytes == 0 &&
+           st.table_capacity == 0 && !st.caught_up && ts_logged.count == 0,
+       "NULL heap: resolve, pin, size NULL/NULL/0, status zeros, not logged");
+    sp_handle_heap_destroy(NULL);
+    ok(sp_handle_free(NULL, (sp_handle){0}) == SP_OK && ts_logged.count == 0,
+       "NULL heap: destroy ignored, free of {0} a no-op");
+    ok(sp_handle_alloc(NULL, 10, 0).id == 0 && reported(SP_ERR_INVALID_ARG, "sp_handle_alloc") &&
+           sp_handle_alloc_ex(NULL, 10, 0, bad_callback, NULL).id == 0 &&
+           reported(SP_ERR_INVALID_ARG, "sp_handle_alloc_ex"),
+       "NULL heap: alloc, alloc_ex {0}, SP_ERR_INVALID_ARG");
+    ok(sp_handle_free(NULL, x) == SP_ERR_INVALID_ARG &&
+           reported(SP_ERR_INVALID_ARG, "sp_handle_free") &&
+           sp_handle_unpin(NULL, x) == SP_ERR_INVALID_ARG &&
+           reported(SP_ERR_INVALID_ARG, "sp_handle_unpin"),
+       "NULL heap: free, unpin SP_ERR_INVALID_ARG");
+    sp_handle_compact_stats cs;
+    memset(&cs, 0xff, sizeof cs);
+    ok(sp_handle_compact(NULL, 0, &cs) == SP_ERR_INVALID_ARG &&
+           reported(SP_ERR_INVALID_ARG, "sp_handle_compact") && cs.bytes_moved == 0 &&
+           sp_handle_heap_check(NULL) == SP_ERR_INVALID_ARG &&
+           reported(SP_ERR_INVALID_ARG, "sp_handle_heap_check"),
+       "NULL heap: compact (stats zeroed), check SP_ERR_INVALID_ARG");
+    ok(sp_handle_resolve(heap, x) != NULL && sp_handle_free(heap, x) == SP_OK &&
+           ts_logged.count == 0,
+       "the handle of the real heap is untouched");
+    ts_log_release();
+}
+
+/* The pin count is 32 bits: a pin at UINT32_MAX is refused (it would wrap to 0 and let a
+ * free through). The count is set next to the limit: 2^32 pins take too long. */
+static void test_pin_limit(void) {
+    ts_log_capture();
+    sp_handle x = sp_handle_alloc(heap, 100, 0);
+    void *p = sp_handle_resolve(heap, x);
+    pins_set(x, UINT32_MAX - 1);
+    ok(sp_handle_pin(heap, x) == p && ts_logged.count == 0, "the pin up to UINT32_MAX is taken");
+    char id[16];
+    snprintf(id, sizeof id, "0x%x", x.id);
+    ok(sp_handle_pin(heap, x) == NULL && strstr(ts_logged.last_message, id) &&
+           reported(SP_ERR_LIMIT, "sp_handle_pin"),
+       "the pin past UINT32_MAX: NULL, SP_ERR_LIMIT naming the handle");
+    ok(sp_handle_free(heap, x) == SP_ERR_PINNED && reported(SP_ERR_PINNED, "sp_handle_free") &&
+           sp_handle_resolve(heap, x) == p,
+       "the count did not wrap: free still SP_ERR_PINNED");
+    ok(sp_handle_unpin(heap, x) == SP_OK && sp_handle_pin(heap, x) == p && ts_logged.count == 0,
+       "after an unpin, a pin is taken again");
+    pins_set(x, 1);
+    ok(sp_handle_unpin(heap, x) == SP_OK && sp_handle_free(heap, x) == SP_OK &&
+           ts_logged.count == 0 && sp_handle_heap_check(heap) == SP_OK,
+       "unpinned, the block frees");
     ts_log_release();
 }
 
@@ -142,6 +221,10 @@ static void run_death(void *arg) {
         allow = false;
         sp_handle_compact(heap, 0, NULL);
         break;
+    case 4:
+        pins_set(d->x, UINT32_MAX);
+        sp_handle_pin(heap, d->x);
+        break;
     }
 }
 
@@ -154,21 +237,16 @@ static void test_fatal(void) {
     struct {
         death d;
         const char *call, *what;
+        sp_result id;
     } cases[] = {
-        {{0, gone}, "sp_handle_free", "double free"},
-        {{1, live}, "sp_handle_unpin", "unpin without pin"},
-        {{2, pinned}, "sp_handle_free", "free of a pinned block"},
-        {{3, live}, "sp_handle_compact", "compaction refused"},
+        {{0, gone}, "sp_handle_free", "double free", SP_ERR_DOUBLE_FREE},
+        {{1, live}, "sp_handle_unpin", "unpin without pin", SP_ERR_NOT_PINNED},
+        {{2, pinned}, "sp_handle_free", "free of a pinned block", SP_ERR_PINNED},
+        {{3, live}, "sp_handle_compact", "compaction refused", SP_ERR_BUSY},
+        {{4, pinned}, "sp_handle_pin", "a pin past UINT32_MAX", SP_ERR_LIMIT},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-        char addr[32] = "";
-        if (i < 3)
-            snprintf(addr, sizeof addr, "%s",
-                     sp_result_name(i == 0   ? SP_ERR_DOUBLE_FREE
-                                    : i == 1 ? SP_ERR_NOT_PINNED
-                                             : SP_ERR_PINNED));
-        else
-            snprintf(addr, sizeof addr, "%s", "SP_ERR_BUSY");
+        const char *addr = sp_result_name(cases[i].id);
 #if SP_DEBUG >= 1
         bool died = ts_dies(run_death, &cases[i].d, cases[i].call, addr);
         ok(died, "debug build: %s dies naming %s and %s", cases[i].what, cases[i].call, addr);
@@ -186,16 +264,19 @@ static void test_fatal(void) {
            cases[i].what, addr, cases[i].call);
 #endif
     }
+    pins_set(pinned, 1); /* release builds: case 4 left it at UINT32_MAX */
     sp_handle_unpin(heap, pinned);
     sp_handle_free(heap, pinned);
     sp_handle_free(heap, live);
 }
 
 int main(void) {
-    plan(19);
+    plan(32);
     heap = sp_handle_heap_create(&(sp_handle_heap_desc){.may_compact = may_compact}, NULL);
     allow = true;
     test_reported();
+    test_null_heap();
+    test_pin_limit();
     test_limit();
     test_fatal();
     sp_handle_heap_status st;
