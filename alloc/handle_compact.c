@@ -413,7 +413,8 @@ TRACK_INTERNAL sp_result sp_handle_compact(sp_handle_heap *h, uint64_t budget_ns
     step st = {.t0 = sp_ticks()};
     if (budget_ns) {
         double t = (double)budget_ns / h->ns_per_tick;
-        st.budget_ticks = t < 1.0 ? 1 : (uint64_t)t;
+        /* A budget past 2^63 ticks (centuries) is none: the conversion would overflow. */
+        st.budget_ticks = t < 1.0 ? 1 : t < 0x1p63 ? (uint64_t)t : 0;
     }
     bool wrapped = false, finished = false;
     unsigned walked = 0;

@@ -316,6 +316,12 @@ static void test_budget(void) {
        (unsigned long long)moved);
     ok(st.hole_bytes == 0 && st.moved_total == moved, "no hole left; moved_total adds up");
     ok(objs_intact(hp, o, N) && sp_handle_heap_check(hp) == SP_OK, "every block intact");
+    for (int i = 1; i < N; i += 4) {
+        sp_handle_free(hp, o[i].h);
+        o[i].h.id = 0;
+    }
+    sp_handle_compact(hp, UINT64_MAX, &cs); /* a budget of centuries: as none */
+    ok(cs.caught_up && objs_intact(hp, o, N), "a UINT64_MAX budget compacts as no budget does");
     sp_handle_compact(hp, 0, NULL); /* no budget: the whole surplus goes */
     sp_handle_heap_status_get(hp, &st);
     diag("committed after budgeted calls %zu, after an unbudgeted one %zu", committed_budgeted,
