@@ -87,6 +87,19 @@ void jobs_waiter_publish(sp_counter *c, waiter *wt) {
 
 /* ---- counters, public ------------------------------------------------------------------ */
 
+/* Append c to s's free list (under s->counter_lock). FIFO: a destroyed counter is handed out
+ * again only after every other free one, so a stale pointer to it stays detectably dead for
+ * as long as possible. */
+static void counter_free_put(sp_jobs *s, sp_counter *c) {
+    c->next_free = NULL;
+    if (s->counter_free_tail) {
+        s->counter_free_tail->next_free = c;
+    } else {
+        s->counter_free = c;
+    }
+    s->counter_free_tail = c;
+}
+
 sp_counter *sp_counter_create(sp_jobs *s, const char *name) {
     if (SP_UNLIKELY(!s)) {
         sp_misuse(SP_ERR_INVALID_ARG, "sp_counter_create", NULL, "NULL scheduler");
@@ -107,17 +120,18 @@ sp_counter *sp_counter_create(sp_jobs *s, const char *name) {
         s->counter_chunks = chunks;
         s->counter_chunks[s->counter_chunk_count++] = chunk;
         memset(chunk, 0, COUNTER_CHUNK * sizeof(sp_counter));
-        for (int i = COUNTER_CHUNK; i-- > 0;) {
+        for (int i = 0; i < COUNTER_CHUNK; i++) {
             chunk[i].s = s;
-            chunk[i].next_free = s->counter_free;
-            s->counter_free = &chunk[i];
+            counter_free_put(s, &chunk[i]);
         }
     }
     sp_counter *c = s->counter_free;
     s->counter_free = c->next_free;
+    if (!s->counter_free) s->counter_free_tail = NULL;
     c->name = name;
-    c->live = true;
+    c->kept = false;
     c->wd_reported = false;
+    atomic_store_explicit(&c->live, true, memory_order_relaxed); /* see counter_live */
     sp_mutex_unlock(&s->counter_lock);
     return c;
 }
@@ -125,32 +139,52 @@ sp_counter *sp_counter_create(sp_jobs *s, const char *name) {
 void sp_counter_destroy(sp_counter *c) {
     if (!c) return;
     sp_jobs *s = c->s;
-    bool waited = atomic_load(&c->waiters) != NULL;
-    int64_t v = atomic_load(&c->value);
+    sp_mutex_lock(&s->counter_lock);
+    const bool live = atomic_load_explicit(&c->live, memory_order_relaxed), kept = c->kept;
+    const bool waited = atomic_load(&c->waiters) != NULL;
+    const int64_t v = atomic_load(&c->value);
     /* A positive value may still be lowered by a job that holds the counter. After shutdown no
      * job runs: what is left was abandoned. */
-    if (SP_UNLIKELY(waited || (v > 0 && !atomic_load(&s->stopped)))) {
-        sp_misuse(SP_ERR_INVALID_ARG, "sp_counter_destroy", c,
-                  "counter '%s' is still in use (value %lld%s): not destroyed",
-                  c->name ? c->name : "(unnamed)", (long long)v, waited ? ", waited on" : "");
-        return;
-    }
-    sp_mutex_lock(&s->counter_lock);
-    if (SP_UNLIKELY(!c->live)) {
+    const bool used = waited || (v > 0 && !atomic_load(&s->stopped));
+    if (SP_LIKELY(live && !kept && !used)) {
+        atomic_store_explicit(&c->live, false, memory_order_relaxed);
+        atomic_store(&c->value, 0);
+        counter_free_put(s, c);
         sp_mutex_unlock(&s->counter_lock);
-        sp_misuse(SP_ERR_DOUBLE_FREE, "sp_counter_destroy", c, "counter already destroyed");
         return;
     }
-    c->live = false;
-    atomic_store(&c->value, 0);
-    c->next_free = s->counter_free;
-    s->counter_free = c;
     sp_mutex_unlock(&s->counter_lock);
+    const char *name = c->name ? c->name : "(unnamed)";
+    if (!live) {
+        sp_misuse(SP_ERR_DOUBLE_FREE, "sp_counter_destroy", c, "counter already destroyed");
+    } else if (kept) {
+        sp_misuse(SP_ERR_INVALID_ARG, "sp_counter_destroy", c,
+                  "counter '%s' belongs to the runtime: not destroyed", name);
+    } else {
+        sp_misuse(SP_ERR_INVALID_ARG, "sp_counter_destroy", c,
+                  "counter '%s' is still in use (value %lld%s): not destroyed", name, (long long)v,
+                  waited ? ", waited on" : "");
+    }
+}
+
+sp_result jobs_counter_dead(const sp_counter *c, const char *call, const char *what) {
+    return sp_misuse(SP_ERR_INVALID_ARG, call, c, "%s was destroyed: ignored", what);
+}
+
+void jobs_counter_keep(sp_counter *c, bool keep) {
+    sp_mutex_lock(&c->s->counter_lock);
+    SP_INVARIANT(atomic_load_explicit(&c->live, memory_order_relaxed), "jobs_counter_keep", c);
+    c->kept = keep;
+    sp_mutex_unlock(&c->s->counter_lock);
 }
 
 void sp_counter_add(sp_counter *c, int64_t n) {
     if (SP_UNLIKELY(!c)) {
         sp_misuse(SP_ERR_INVALID_ARG, "sp_counter_add", NULL, "NULL counter");
+        return;
+    }
+    if (SP_UNLIKELY(!counter_live(c))) {
+        jobs_counter_dead(c, "sp_counter_add", "counter");
         return;
     }
     atomic_fetch_add(&c->value, n);
@@ -161,9 +195,18 @@ void sp_counter_sub(sp_counter *c, int64_t n) {
         sp_misuse(SP_ERR_INVALID_ARG, "sp_counter_sub", NULL, "NULL counter");
         return;
     }
+    if (SP_UNLIKELY(!counter_live(c))) {
+        jobs_counter_dead(c, "sp_counter_sub", "counter");
+        return;
+    }
     counter_lower(c, n);
 }
 
 int64_t sp_counter_value(const sp_counter *c) {
-    return c ? atomic_load(&c->value) : 0;
+    if (!c) return 0;
+    if (SP_UNLIKELY(!counter_live(c))) {
+        jobs_counter_dead(c, "sp_counter_value", "counter");
+        return 0;
+    }
+    return atomic_load(&c->value);
 }

@@ -99,7 +99,9 @@ struct sp_counter {
     sp_jobs *s;
     const char *name;
     sp_counter *next_free; /* the scheduler's free list (under s->counter_lock) */
-    bool live;             /* created and not destroyed (under s->counter_lock) */
+    _Atomic bool live;     /* created and not destroyed: stored under s->counter_lock, loaded
+                              without it by the public calls (counter_live) */
+    bool kept;             /* the runtime's own: sp_counter_destroy refuses it (under the lock) */
     /* watchdog (its thread only) */
     int64_t wd_value;
     bool wd_reported;
@@ -183,7 +185,7 @@ struct sp_jobs {
     _Atomic uint32_t records_wanted; /* takers short of records: workers, flush your caches */
     /* counters */
     sp_mutex counter_lock;
-    sp_counter *counter_free;
+    sp_counter *counter_free, *counter_free_tail; /* FIFO: a destroyed counter is reused last */
     void **counter_chunks;
     size_t counter_chunk_count;
     /* watchdog */
@@ -235,6 +237,13 @@ SP_HIDDEN void jobs_piece_run(sp_jobs *s, job *j);
 SP_HIDDEN void jobs_piece_hide(sp_jobs *s, job *j, bool hides);
 /* counter.c */
 SP_HIDDEN SP_NOINLINE void jobs_counter_wake(sp_counter *c);
+/* Report `call` on a destroyed counter c (`what` names the argument) as misuse; returns
+ * SP_ERR_INVALID_ARG. */
+SP_HIDDEN SP_COLD sp_result jobs_counter_dead(const sp_counter *c, const char *call,
+                                              const char *what);
+/* Mark a counter the runtime owns (keep true) so that sp_counter_destroy refuses it, or hand
+ * it back (false) before the runtime destroys it. Any thread; takes s->counter_lock. */
+SP_HIDDEN void jobs_counter_keep(sp_counter *c, bool keep);
 SP_HIDDEN void jobs_waiter_publish(sp_counter *c, waiter *wt);
 SP_HIDDEN void jobs_waiters_push(sp_counter *c, waiter *head, waiter *tail);
 /* jobs.c */
@@ -242,6 +251,17 @@ SP_HIDDEN void jobs_waiters_push(sp_counter *c, waiter *head, waiter *tail);
  * *done gets the returned count. */
 SP_HIDDEN uint64_t jobs_records_outstanding(sp_jobs *s, uint64_t *done);
 SP_HIDDEN void jobs_drain_check(sp_jobs *s);
+
+/* Whether c is created and not destroyed: the public calls' check, before they touch c (a job
+ * lowering its own counter, counter_lower, never checks). Relaxed is enough: a caller that got
+ * c from its create, or from a thread that did, sees it set; and a destroy needs value 0 and
+ * no waiters, so whoever saw that (and then destroyed) came after every add or sub that made
+ * it so, and their loads came before the store. A stale pointer to memory handed out again
+ * reads a live counter: the check is best-effort (free counters are reused first-in
+ * first-out). */
+static inline bool counter_live(const sp_counter *c) {
+    return atomic_load_explicit(&c->live, memory_order_relaxed);
+}
 
 static inline bool counter_reached(const sp_counter *c, int64_t target) {
     return atomic_load(&c->value) <= target;

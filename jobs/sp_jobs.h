@@ -171,12 +171,14 @@ void sp_jobs_destroy(sp_jobs *s);
  * but cached by workers that have not run yet). Errors: SP_ERR_SHUTDOWN (after shutdown
  * began, from a thread that is not running a job), SP_ERR_LIMIT (out of job records, logged),
  * SP_ERR_NOMEM (the copy, logged), SP_ERR_INVALID_ARG (misuse: NULL s, jobs with count > 0, NULL
- * fn, a pinned worker out of range). count 0 is SP_OK and does nothing. */
+ * fn, a pinned worker out of range, a destroyed counter). count 0 is SP_OK and does nothing. */
 sp_result sp_jobs_submit(sp_jobs *s, const sp_job_desc *jobs, uint32_t count, sp_counter *counter);
 
 /* As sp_jobs_submit, but the jobs start only once `after` reaches `after_target` (at once if
  * it already has). `counter` is raised now. Graphs built this way cannot deadlock through
- * their edges: a batch can only wait on a counter that already exists. */
+ * their edges: a batch can only wait on a counter that already exists. Misuse as for
+ * sp_jobs_submit, and also a NULL or destroyed `after` (SP_ERR_INVALID_ARG, nothing
+ * submitted). */
 sp_result sp_jobs_submit_after(sp_jobs *s, sp_counter *after, int64_t after_target,
                                const sp_job_desc *jobs, uint32_t count, sp_counter *counter);
 
@@ -222,20 +224,28 @@ sp_counter *sp_counter_create(sp_jobs *s, const char *name);
 
 /* Free a counter (its memory is recycled; sp_jobs_destroy frees it). Misuse, reported and
  * ignored (counter kept): a wait or a deferred batch on it, or a value above 0 before
- * shutdown (jobs may still lower it) (SP_ERR_INVALID_ARG); destroyed twice
- * (SP_ERR_DOUBLE_FREE). After shutdown any counter without waiters may be destroyed. NULL is
- * ignored. */
+ * shutdown (jobs may still lower it), or a counter the runtime owns (its frame counter)
+ * (SP_ERR_INVALID_ARG); destroyed twice (SP_ERR_DOUBLE_FREE). After shutdown any counter
+ * without waiters may be destroyed. NULL is ignored. Any thread; takes the scheduler's
+ * counter lock.
+ * Every call taking a counter reports a destroyed one as misuse and leaves it unchanged; this
+ * is best-effort: freed counters are handed out again first-in first-out (a destroyed counter
+ * after every counter that was free before it), and once its memory is reused a stale pointer
+ * is a live counter again (the new one). */
 void sp_counter_destroy(sp_counter *c);
 
-/* Raise by n (work the caller will signal later). Any thread, never suspends. */
+/* Raise by n (work the caller will signal later). Any thread, never suspends. Misuse: a
+ * destroyed counter (SP_ERR_INVALID_ARG, reported; no change). */
 void sp_counter_add(sp_counter *c, int64_t n);
 
 /* Lower by n and resume the waits and start the deferred batches this satisfies. Any thread,
  * never suspends. Cost: one atomic; when something waits, an exchange that takes the wait
- * list and one compare-exchange that puts back the waiters not yet satisfied. */
+ * list and one compare-exchange that puts back the waiters not yet satisfied. Misuse: a
+ * destroyed counter (SP_ERR_INVALID_ARG, reported; no change, nothing woken). */
 void sp_counter_sub(sp_counter *c, int64_t n);
 
-/* The current value (a snapshot). Any thread. */
+/* The current value (a snapshot). Any thread. NULL: 0. Misuse: a destroyed counter
+ * (SP_ERR_INVALID_ARG, reported; returns 0). */
 int64_t sp_counter_value(const sp_counter *c);
 
 /* Return once the counter's value is <= target. Inside a job: parks the job's fiber and the
@@ -244,8 +254,8 @@ int64_t sp_counter_value(const sp_counter *c);
  * until the counter is reached (logged once per scheduler, counted in fiber_exhaustions).
  * On the main thread outside jobs: runs jobs until the counter is reached, then sleeps on a
  * futex. On other threads: sleeps on a futex. Returns SP_OK; misuse: SP_ERR_INVALID_ARG
- * (NULL), SP_ERR_SHUTDOWN (the counter is not reached and the scheduler is shut down: nothing
- * can reach it any more).
+ * (NULL, or a destroyed counter: returns at once), SP_ERR_SHUTDOWN (the counter is not
+ * reached and the scheduler is shut down: nothing can reach it any more).
  * Debug builds: a wait that nothing can complete (no job running or runnable, no progress for
  * watchdog_ms) is reported with SP_ERR_STALLED naming the counter; the wait goes on. */
 sp_result sp_counter_wait(sp_counter *c, int64_t target);

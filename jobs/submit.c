@@ -13,6 +13,10 @@ static sp_result submit(sp_jobs *s, sp_counter *after, int64_t after_target, con
                         uint32_t n, sp_counter *counter, const char *call) {
     if (SP_UNLIKELY(!s || (n && !d)))
         return sp_misuse(SP_ERR_INVALID_ARG, call, s, "NULL %s", s ? "jobs" : "scheduler");
+    if (SP_UNLIKELY(counter && !counter_live(counter)))
+        return jobs_counter_dead(counter, call, "`counter`");
+    if (SP_UNLIKELY(after && !counter_live(after)))
+        return jobs_counter_dead(after, call, "`after`");
     bool as_batch = n >= 2;
     for (uint32_t i = 0; i < n; i++) {
         if (SP_UNLIKELY(!d[i].fn || (unsigned)d[i].priority > SP_PRIORITY_LOW ||

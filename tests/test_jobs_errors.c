@@ -5,10 +5,15 @@
  * scheduler on one thread is refused with SP_ERR_LIMIT while other threads may have their own;
  * running out of job records gives SP_ERR_LIMIT, all-or-nothing, and the records come back;
  * destroying a counter still in use is refused; shutdown abandons, and reports, work that can
- * never run. Swept over the inline mode and 2 workers. */
+ * never run. A destroyed counter is refused by every call that takes one (reported once, naming
+ * the call; nothing changes), its memory is reused last (first-in first-out), counters signalled
+ * and destroyed back to back are never taken for destroyed, and a counter the runtime keeps
+ * cannot be destroyed (white-box: jobs_counter_keep, jobs_internal.h). Swept over the inline
+ * mode and 2 workers. */
 #include <stdlib.h>
 #include <string.h>
 
+#include "jobs_internal.h"
 #include "jobs_support.h"
 
 static sp_jobs *S;
@@ -48,6 +53,25 @@ static bool refused(sp_result got, sp_result want, const char *call, int logged_
         jt_log_diag();
     }
     return got == want && logged && same;
+}
+
+/* Start a test on configuration c: S created, runs at 0; false (a failed line) if create
+ * failed. scheduler_end shuts S down and destroys it. */
+static bool scheduler_begin(const jt_config *c) {
+    CFG = c;
+    sp_jobs_desc desc = desc_for(c);
+    if (sp_jobs_create(&S, &desc) != SP_OK) {
+        ok(0, "%s: create", cfg());
+        return false;
+    }
+    atomic_store(&runs, 0);
+    return true;
+}
+
+static void scheduler_end(void) {
+    sp_jobs_shutdown(S);
+    sp_jobs_destroy(S);
+    S = NULL;
 }
 
 /* ---- create ---------------------------------------------------------------------------- */
@@ -139,13 +163,7 @@ static void misuse_in_job(void *arg) {
 }
 
 static void test_misuse(const jt_config *c) {
-    CFG = c;
-    sp_jobs_desc desc = desc_for(c);
-    if (sp_jobs_create(&S, &desc) != SP_OK) {
-        ok(0, "%s: create", cfg());
-        return;
-    }
-    atomic_store(&runs, 0);
+    if (!scheduler_begin(c)) return;
     sp_counter *ctr = counter("misuse");
     sp_jobs_status st;
     sp_jobs_status_get(S, &st);
@@ -237,9 +255,175 @@ static void test_misuse(const jt_config *c) {
        (unsigned long long)end.jobs_submitted);
     sp_counter_destroy(gate);
     sp_counter_destroy(ctr);
-    sp_jobs_shutdown(S);
-    sp_jobs_destroy(S);
-    S = NULL;
+    scheduler_end();
+}
+
+/* ---- destroyed and kept counters ------------------------------------------------------- */
+
+/* A call on a destroyed counter: reported once, from `call`, as a destroyed counter; and the
+ * counter itself left as destroy left it (white-box: dead, value 0, no waiter). */
+static bool dead_refused(const char *call, int logged_before, const sp_counter *dead) {
+    bool logged =
+        jt_log_total() == logged_before + 1 && jt_log_has(SP_ERR_INVALID_ARG, call, "destroyed");
+    bool same = !atomic_load(&dead->live) && atomic_load(&dead->value) == 0 &&
+                atomic_load(&dead->waiters) == NULL;
+    if (!logged || !same) {
+        diag("  %d new record(s); live %d value %lld", jt_log_total() - logged_before,
+             (int)atomic_load(&dead->live), (long long)atomic_load(&dead->value));
+        jt_log_diag();
+    }
+    return logged && same;
+}
+
+static size_t free_counters(void) { /* white-box: the scheduler's free list (nothing creates) */
+    size_t n = 0;
+    for (const sp_counter *f = S->counter_free; f; f = f->next_free) n++;
+    return n;
+}
+
+/* Every call that takes a counter, given a destroyed one (`live` is another, at 0). */
+enum {
+    DEAD_ADD,
+    DEAD_SUB,
+    DEAD_VALUE,
+    DEAD_WAIT,
+    DEAD_SUBMIT,
+    DEAD_AFTER,
+    DEAD_AFTER_COUNTER,
+    DEAD_N
+};
+static const struct {
+    const char *call, *what;
+} dead_calls[DEAD_N] = {
+    {"sp_counter_add", "sp_counter_add on it"},
+    {"sp_counter_sub", "sp_counter_sub on it"},
+    {"sp_counter_value", "sp_counter_value on it (0)"},
+    {"sp_counter_wait", "sp_counter_wait on it (returns at once, nothing waits)"},
+    {"sp_jobs_submit", "sp_jobs_submit with it as `counter` (nothing submitted)"},
+    {"sp_jobs_submit_after", "sp_jobs_submit_after with it as `after` (nothing submitted, "
+                             "`counter` unchanged)"},
+    {"sp_jobs_submit_after", "sp_jobs_submit_after with it as `counter` (nothing submitted)"},
+};
+
+/* What the call answered: its result; add and sub: SP_ERR_INVALID_ARG; value: that when 0. */
+static sp_result dead_call(int op, sp_counter *dead, sp_counter *live) {
+    sp_job_desc j = jt_job(run_fn, NULL, "never runs");
+    switch (op) {
+    case DEAD_ADD: sp_counter_add(dead, 5); return SP_ERR_INVALID_ARG;
+    case DEAD_SUB: sp_counter_sub(dead, 1); return SP_ERR_INVALID_ARG;
+    case DEAD_VALUE: return sp_counter_value(dead) == 0 ? SP_ERR_INVALID_ARG : SP_OK;
+    case DEAD_WAIT: return sp_counter_wait(dead, 0);
+    case DEAD_SUBMIT: return sp_jobs_submit(S, &j, 1, dead);
+    case DEAD_AFTER: return sp_jobs_submit_after(S, dead, 0, &j, 1, live);
+    default: return sp_jobs_submit_after(S, live, 0, &j, 1, dead);
+    }
+}
+
+static void test_destroyed(const jt_config *c) {
+    if (!scheduler_begin(c)) return;
+    sp_counter *ctr = counter("destroyed: live"), *dead = counter("destroyed");
+    sp_jobs_status st;
+    sp_jobs_status_get(S, &st);
+    int lb = jt_log_total();
+    sp_counter_destroy(dead);
+    ok(jt_log_total() == lb, "%s: a counter at 0 is destroyed silently", cfg());
+    for (int op = 0; op < DEAD_N; op++) {
+        lb = jt_log_total();
+        sp_result rc = dead_call(op, dead, ctr);
+        ok(refused(rc, SP_ERR_INVALID_ARG, dead_calls[op].call, lb, &st, ctr, 0) &&
+               dead_refused(dead_calls[op].call, lb, dead),
+           "%s: %s: SP_ERR_INVALID_ARG, reported once, nothing changed", cfg(),
+           dead_calls[op].what);
+    }
+    lb = jt_log_total();
+    sp_counter_destroy(dead);
+    ok(jt_log_total() == lb + 1 && jt_log_has(SP_ERR_DOUBLE_FREE, "sp_counter_destroy", NULL),
+       "%s: destroyed again: SP_ERR_DOUBLE_FREE, reported", cfg());
+
+    /* The audit's hang: an add on the stale pointer used to raise the next counter made. */
+    size_t free_before = free_counters();
+    lb = jt_log_total();
+    sp_counter *next = counter("destroyed: next");
+    sp_counter_add(dead, 5);
+    int64_t v = sp_counter_value(next);
+    sp_result rc = sp_counter_wait(next, 0);
+    ok(next != dead && v == 0 && rc == SP_OK && jt_log_total() == lb + 1,
+       "%s: the counter made next is another one (%zu free before), starts at 0 (%lld) and its "
+       "wait returns (%s)",
+       cfg(), free_before, (long long)v, sp_result_name(rc));
+
+    /* FIFO: the destroyed counter comes back only after every other free one. */
+    sp_counter *made[2 * COUNTER_CHUNK];
+    size_t n = 0, back = SIZE_MAX;
+    while (n < SP_ARRAY_LEN(made) && back == SIZE_MAX) {
+        made[n] = counter("destroyed: refill");
+        if (made[n] == dead) back = n;
+        n++;
+    }
+    size_t others = free_before - 1; /* free besides it: `next` and made[0, back) */
+    ok(back != SIZE_MAX && 1 + back == others && sp_counter_value(dead) == 0 &&
+           jt_log_total() == lb + 1,
+       "%s: its memory is reused last (after %zu of the %zu other free counters): a live counter "
+       "at 0 again",
+       cfg(), back == SIZE_MAX ? 0 : 1 + back, others);
+    for (size_t i = 0; i < n; i++) sp_counter_destroy(made[i]);
+    sp_counter_destroy(next);
+
+    ok(atomic_load(&runs) == 0 && jt_settle(S, &st) && st.jobs_submitted == 0,
+       "%s: no job of the refused submits ran", cfg());
+    sp_counter_destroy(ctr);
+    scheduler_end();
+}
+
+/* Counters signalled from jobs and destroyed as soon as their wait returns, back to back (each
+ * job adds, then lowers below what it added): no call is taken for one on a destroyed counter. */
+enum { CHURN = 2000 };
+
+static void churn_fn(void *arg) {
+    sp_counter *c = arg;
+    sp_counter_add(c, 1);
+    (void)sp_counter_value(c);
+    sp_counter_sub(c, 2);
+}
+
+static void test_destroy_churn(const jt_config *c) {
+    if (!scheduler_begin(c)) return;
+    int lb = jt_log_total();
+    bool all = true;
+    for (int i = 0; i < CHURN && all; i++) {
+        sp_counter *k = counter("churn");
+        sp_counter_add(k, 1);
+        sp_job_desc j = jt_job(churn_fn, k, "churn");
+        all = sp_jobs_submit(S, &j, 1, NULL) == SP_OK && sp_counter_wait(k, 0) == SP_OK;
+        sp_counter_destroy(k);
+    }
+    ok(all && jt_log_total() == lb,
+       "%s: %d counters signalled by a job and destroyed once reached: nothing reported", cfg(),
+       CHURN);
+    if (jt_log_total() != lb) jt_log_diag();
+    scheduler_end();
+}
+
+static void test_kept(const jt_config *c) {
+    if (!scheduler_begin(c)) return;
+    sp_counter *k = counter("kept");
+    jobs_counter_keep(k, true);
+    int lb = jt_log_total();
+    sp_counter_destroy(k);
+    ok(jt_log_total() == lb + 1 &&
+           jt_log_has(SP_ERR_INVALID_ARG, "sp_counter_destroy", "belongs to the runtime") &&
+           atomic_load(&k->live),
+       "%s: destroying a counter the runtime keeps: SP_ERR_INVALID_ARG, reported, kept", cfg());
+    sp_job_desc j = jt_job(run_fn, NULL, "on kept");
+    bool works = sp_jobs_submit(S, &j, 1, k) == SP_OK && sp_counter_wait(k, 0) == SP_OK;
+    ok(works && atomic_load(&runs) == 1 && sp_counter_value(k) == 0 && jt_log_total() == lb + 1,
+       "%s: the kept counter still works", cfg());
+    jobs_counter_keep(k, false);
+    lb = jt_log_total();
+    sp_counter_destroy(k);
+    ok(jt_log_total() == lb && !atomic_load(&k->live),
+       "%s: handed back (keep false), it is destroyed silently", cfg());
+    scheduler_end();
 }
 
 /* ---- running out of job records -------------------------------------------------------- */
@@ -456,6 +640,14 @@ int main(void) {
     jt_deadline("misuse", 30);
     test_misuse(inl);
     test_misuse(two);
+    jt_deadline("destroyed counters", 30);
+    test_destroyed(inl);
+    test_destroyed(two);
+    test_destroy_churn(inl);
+    test_destroy_churn(two);
+    jt_deadline("kept counters", 30);
+    test_kept(inl);
+    test_kept(two);
     jt_deadline("limit", 30);
     test_limit(inl);
     test_limit(two);
