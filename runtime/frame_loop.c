@@ -2,6 +2,8 @@
  * between-frames works, and the per-frame statistics record. */
 #include "runtime_internal.h"
 
+#include "jobs_internal.h"
+
 #include <string.h>
 
 sp_counter *sp_frame_counter(void) {
@@ -26,6 +28,23 @@ bool rt_may_compact(void *user) {
     return rt_main && (sp_rt.compact_gate || may_compact_now());
 }
 
+void rt_frame_counter_keep(bool keep) {
+    jobs_counter_keep(sp_rt.frame_counter, keep);
+}
+
+/* The frame counter counts the frame's jobs down to 0; below it, something lowered it by hand
+ * (sp_counter_sub on sp_frame_counter()) and a frame end may have stopped waiting for jobs
+ * still running. Reported as misuse under `call`, and set back to 0. */
+static void frame_counter_check(const char *call) {
+    int64_t v = sp_counter_value(sp_rt.frame_counter);
+    if (SP_LIKELY(v >= 0)) return;
+    sp_misuse(SP_ERR_INVALID_ARG, call, sp_rt.frame_counter,
+              "the frame counter is at %lld: it was lowered below the jobs it counts "
+              "(sp_counter_sub on sp_frame_counter()); set back to 0",
+              (long long)v);
+    sp_counter_add(sp_rt.frame_counter, -v);
+}
+
 sp_result sp_frame_begin(void) {
     sp_result r = rt_frame_loop_only("sp_frame_begin");
     if (r != SP_OK) return r;
@@ -34,6 +53,7 @@ sp_result sp_frame_begin(void) {
                "frame %llu is already open", (unsigned long long)sp_rt.frame);
         return SP_ERR_INVALID_ARG;
     }
+    frame_counter_check("sp_frame_begin");
     __atomic_store_n(&sp_rt.in_frame, true, __ATOMIC_RELAXED); /* sp_status_get reads it */
     sp_rt.frame_t0 = sp_time_ns();
     sp_rt.jobs_run_t0 = sp_jobs_run_count(sp_rt.jobs);
@@ -90,6 +110,7 @@ sp_result sp_frame_end(void) {
     uint64_t t_wait = sp_time_ns();
     r = sp_counter_wait(sp_rt.frame_counter, 0);
     if (r != SP_OK) return r; /* logged by the scheduler; the frame stays open */
+    frame_counter_check("sp_frame_end");
     st.wait_ns = sp_time_ns() - t_wait;
     st.jobs_run = sp_jobs_run_count(sp_rt.jobs) - sp_rt.jobs_run_t0;
     __atomic_store_n(&sp_rt.in_frame, false, __ATOMIC_RELAXED);

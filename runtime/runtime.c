@@ -394,7 +394,10 @@ static sp_result jobs_start(void) {
     sp_result r = sp_jobs_create(&sp_rt.jobs, &jd);
     if (r == SP_OK) {
         sp_rt.frame_counter = sp_counter_create(sp_rt.jobs, "frame");
-        if (sp_rt.frame_counter) return SP_OK;
+        if (sp_rt.frame_counter) {
+            rt_frame_counter_keep(true); /* sp_counter_destroy refuses it */
+            return SP_OK;
+        }
         sp_jobs_shutdown(sp_rt.jobs);
         sp_jobs_destroy(sp_rt.jobs);
         r = SP_ERR_NOMEM;
@@ -406,6 +409,7 @@ static sp_result jobs_start(void) {
 static void jobs_stop(void) {
     if (sp_rt.jobs) {
         sp_jobs_shutdown(sp_rt.jobs); /* SP_ERR_SHUTDOWN when sp_shutdown did it already */
+        rt_frame_counter_keep(false);
         sp_counter_destroy(sp_rt.frame_counter);
         sp_rt.frame_counter = NULL;
         sp_jobs_destroy(sp_rt.jobs);

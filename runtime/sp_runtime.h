@@ -253,7 +253,11 @@ static inline void *sp_arena_aligned_alloc(size_t align, size_t size) {
 
 /* ---- jobs and frames ------------------------------------------------------------------- */
 
-/* The counter of the current frame's jobs: sp_frame_end waits until it is back to 0. */
+/* The counter of the current frame's jobs: sp_frame_end waits until it is back to 0. The
+ * runtime's: sp_counter_destroy refuses it (misuse SP_ERR_INVALID_ARG). Raise it for work you
+ * signal later; lowering it below the jobs it counts is misuse, found when sp_frame_begin or
+ * sp_frame_end sees it below 0 (SP_ERR_INVALID_ARG, the counter set back to 0; a frame end
+ * may already have stopped waiting for jobs still running). */
 sp_counter *sp_frame_counter(void);
 
 /* sp_jobs_submit on the runtime's scheduler; a NULL counter means the frame counter, so

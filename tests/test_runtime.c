@@ -845,6 +845,43 @@ static void test_frame_calls_from_job(void) {
     is_int(sp_shutdown(), SP_OK, "shutdown");
 }
 
+static void sleepy_job(void *arg) {
+    (void)arg;
+    nanosleep(&(struct timespec){.tv_nsec = 20000000}, NULL);
+}
+
+/* The frame counter is the runtime's: not destroyed by a user, and lowered below its jobs it
+ * is reported (a frame end may have stopped waiting for a job still running) and set back. */
+static void test_frame_counter_misuse(void) {
+    sp_desc d = small_desc(1);
+    sp_init(&d);
+    sp_counter *fc = sp_frame_counter();
+    ts_log_capture();
+    sp_counter_destroy(fc);
+    ok(ts_logged.count == 1 && ts_logged.last_id == SP_ERR_INVALID_ARG &&
+           sp_counter_value(fc) == 0,
+       "destroying the frame counter: refused (%s)", ts_logged.last_message);
+    sp_frame_begin();
+    sp_counter_sub(fc, 1);
+    sp_job_desc j = {.fn = sleepy_job, .name = "sleepy"};
+    sp_submit(&j, 1, NULL);
+    ts_log_reset();
+    sp_frame_end(); /* the counter may be 0 with the job still running: not waited for */
+    sp_counter_wait(fc, -1);
+    sp_result begin = sp_frame_begin();
+    int64_t after = sp_counter_value(fc);
+    /* Seen by the next sp_frame_begin, or by that sp_frame_end if the job was done by then. */
+    bool named = !strcmp(ts_logged.last_call, "sp_frame_begin") ||
+                 !strcmp(ts_logged.last_call, "sp_frame_end");
+    ok(ts_logged.count == 1 && ts_logged.last_id == SP_ERR_INVALID_ARG && named &&
+           begin == SP_OK && after == 0,
+       "a frame counter lowered below its jobs: reported once (%s), set back to 0",
+       ts_logged.last_call);
+    ts_log_release();
+    sp_frame_end();
+    is_int(sp_shutdown(), SP_OK, "shutdown");
+}
+
 /* Desc sizes the subsystems cannot take are refused by sp_init itself. */
 static void test_desc_sizes(void) {
     sp_desc d = small_desc(0);
@@ -873,6 +910,7 @@ int main(void) {
     test_stray_threads();
     test_reentry();
     test_frame_calls_from_job();
+    test_frame_counter_misuse();
     test_desc_sizes();
     return done();
 }
