@@ -51,6 +51,11 @@
  * pointer may use it until it passes a quiescent state (liburcu QSBR: job boundaries, frame
  * end). Pin counts live in block headers, not in the table, so no pin is lost to a copy.
  *
+ * A handle names a slot and a generation of the heap that issued it, not the heap: another
+ * heap (or this one, destroyed and made again) may have a live block with the same id, and a
+ * handle used with the wrong heap reaches that block (every heap's first handles have the same
+ * ids). Keep a handle with its heap.
+ *
  * Bad input (every build): a stale or forged handle gives NULL from resolve/pin/size 0, and
  * free/unpin report it through the logger (sp_misuse) with SP_ERR_STALE_HANDLE (the handle's
  * own generation freed once more: SP_ERR_DOUBLE_FREE). Unpin of an unpinned handle:
