@@ -137,7 +137,8 @@ sp_result sp_tcache_init(const sp_tcache_desc *desc);
  * detached and trimmed), SIZE_MAX returned. */
 size_t sp_tcache_shutdown(void);
 
-/* Give the calling thread a cache now (it gets one on its first allocation otherwise).
+/* Give the calling thread a cache now (it gets one on its first allocation otherwise, unless
+ * the desc asked for explicit_attach).
  * Cost: a span of the span heap for the cache record (a page or two of it touched), the heap
  * lock and the registry lock. SP_OK, or SP_ERR_NOMEM. */
 sp_result sp_tcache_thread_attach(void);
@@ -146,7 +147,8 @@ sp_result sp_tcache_thread_attach(void);
  * for adoption, empty spans kept as spares while their class has fewer than keep_detached,
  * the rest returned.
  * Runs by itself at thread exit. No-op if not attached. The thread may allocate again
- * afterwards (it attaches again). Cost: O(spans held). */
+ * afterwards (it attaches again; under explicit_attach it uses the fallback cache). Cost:
+ * O(spans held). */
 void sp_tcache_thread_detach(void);
 
 /* Return the calling thread's empty spans (its inboxes collected first), the shared fallback

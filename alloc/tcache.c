@@ -728,13 +728,18 @@ TRACK_INTERNAL static void block_free(void *p, const char *call) {
         cache *self = (cache *)sp_tcache_tls;
         if (self == &unattached) {
             if (!attach_implicitly()) {
-                /* The thread uses the fallback, which may own the span. */
-                sp_mutex_lock(&tc.fallback_lock);
-                if (__atomic_load_n(&s->pub.owner, __ATOMIC_ACQUIRE) == &tc.fallback.pub)
-                    block_free_owner(&tc.fallback, s, p);
-                else
-                    block_free_remote(NULL, s, p);
-                sp_mutex_unlock(&tc.fallback_lock);
+                /* The thread uses the fallback: its lock only for a span the fallback owns
+                 * (checked again under it); any other span takes a lock-free push (a span
+                 * the fallback adopts later is collected with its inbox). */
+                if (__atomic_load_n(&s->pub.owner, __ATOMIC_RELAXED) == &tc.fallback.pub) {
+                    sp_mutex_lock(&tc.fallback_lock);
+                    bool own = __atomic_load_n(&s->pub.owner, __ATOMIC_ACQUIRE) ==
+                               &tc.fallback.pub;
+                    if (own) block_free_owner(&tc.fallback, s, p);
+                    sp_mutex_unlock(&tc.fallback_lock);
+                    if (own) return;
+                }
+                block_free_remote(NULL, s, p);
                 return;
             }
             self = (cache *)sp_tcache_tls; /* counts its remote frees from now on */

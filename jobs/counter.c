@@ -153,8 +153,8 @@ void sp_counter_destroy(sp_counter *c) {
         sp_mutex_unlock(&s->counter_lock);
         return;
     }
+    const char *name = c->name ? c->name : "(unnamed)"; /* under the lock: a create renames */
     sp_mutex_unlock(&s->counter_lock);
-    const char *name = c->name ? c->name : "(unnamed)";
     if (!live) {
         sp_misuse(SP_ERR_DOUBLE_FREE, "sp_counter_destroy", c, "counter already destroyed");
     } else if (kept) {

@@ -309,7 +309,11 @@ static sp_result heap_start(void) {
 }
 static void heap_stop(void) {
     size_t live = sp_tcache_shutdown();
-    if (live)
+    if (live == SIZE_MAX) /* sp_shutdown's check passed, then a thread attached directly */
+        sp_log(SP_LOG_ERROR, SP_ERR_INVALID_ARG, "sp_shutdown", NULL,
+               "the thread caches refused to shut down (a thread attached to them during "
+               "sp_shutdown): their memory goes with the reservation, under that thread");
+    else if (live)
         sp_log(SP_LOG_WARN, SP_ERR_INVALID_ARG, "sp_shutdown", NULL,
                "%zu blocks still live in the thread caches or the central heap (leaked)", live);
 }

@@ -265,8 +265,9 @@ sp_counter *sp_frame_counter(void);
  * before init. */
 sp_result sp_submit(const sp_job_desc *jobs, uint32_t count, sp_counter *counter);
 
-/* Open a frame (main thread). Returns SP_OK, SP_ERR_SHUTDOWN before init, SP_ERR_INVALID_ARG
- * (logged) if a frame is already open. */
+/* Open a frame (main thread, outside jobs). Returns SP_OK, SP_ERR_SHUTDOWN before init,
+ * SP_ERR_INVALID_ARG (logged) if a frame is already open, from a job, or from sp_frame_end's
+ * between-frames step. */
 sp_result sp_frame_begin(void);
 
 /* Close the frame (main thread, outside jobs): wait for the frame counter (the main thread
@@ -274,7 +275,8 @@ sp_result sp_frame_begin(void);
  * round, let the thread caches give back surplus spans, run the between-frames works in
  * registration order and then handle-heap compaction within desc.between_budget_ns, report
  * a quiescent state, and close the frame's statistics record. Returns SP_OK,
- * SP_ERR_SHUTDOWN before init, SP_ERR_INVALID_ARG (logged) without an open frame. */
+ * SP_ERR_SHUTDOWN before init, SP_ERR_INVALID_ARG (logged) without an open frame, from a job,
+ * or from its own between-frames step. */
 sp_result sp_frame_end(void);
 
 /* The record of the last closed frame. SP_ERR_LIMIT if no frame was closed yet. */
