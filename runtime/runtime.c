@@ -5,6 +5,7 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <threads.h>
 #include <urcu/urcu-qsbr.h>
 
 #if SP_TSAN
@@ -526,6 +527,25 @@ sp_result sp_shutdown(void) {
 
 /* ---- threads ----------------------------------------------------------------------------- */
 
+/* An attached thread that ends without sp_thread_detach would stay registered with QSBR for
+ * good (reclamation waits for it forever) and keep sp_shutdown refusing: this key's
+ * destructor detaches it at its exit, reported as misuse. Made once per process. */
+static once_flag exit_key_once = ONCE_FLAG_INIT;
+static tss_t exit_key;
+static bool exit_key_ok;
+
+static void attached_thread_exit(void *v) {
+    (void)v;
+    if (!tls_attached) return;
+    sp_misuse(SP_ERR_INVALID_ARG, "sp_thread_detach", NULL,
+              "an attached thread ended without sp_thread_detach: detached at its exit");
+    sp_thread_detach();
+}
+
+static void exit_key_make(void) {
+    exit_key_ok = tss_create(&exit_key, attached_thread_exit) == thrd_success;
+}
+
 sp_result sp_thread_attach(void) {
     if (!rt_is_up("sp_thread_attach")) return SP_ERR_SHUTDOWN;
     if (tls_attached || rt_main || sp_jobs_worker_id() != SP_JOBS_NOT_A_WORKER) {
@@ -548,6 +568,8 @@ sp_result sp_thread_attach(void) {
     }
     qsbr_register();
     tls_attached = true;
+    call_once(&exit_key_once, exit_key_make);
+    if (exit_key_ok) tss_set(exit_key, &tls_attached); /* any non-NULL value arms it */
     return SP_OK;
 }
 
@@ -561,6 +583,7 @@ sp_result sp_thread_detach(void) {
     qsbr_unregister();
     sp_tcache_thread_detach();
     tls_attached = false;
+    if (exit_key_ok) tss_set(exit_key, NULL);
     atomic_fetch_sub(&sp_rt.attached, 1); /* last: a shutdown waits for the whole detach */
     return SP_OK;
 }

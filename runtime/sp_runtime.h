@@ -21,18 +21,19 @@
  * runtime thread (the reclaimer, started by sp_init) frees what was retired once every
  * registered thread has passed one; nothing waits for it in a frame.
  *
- * Threads that are not workers: sp_thread_attach gives one a thread cache and registers it
- * for QSBR; it reports quiescent states with sp_thread_quiescent now and then (a thread that
- * never does delays reclamation, never a frame), goes offline with sp_thread_offline before it
- * blocks for long (I/O, a wait: reclamation then does not wait for it) and comes back with
- * sp_thread_online, and must sp_thread_detach before it exits and before sp_shutdown. Such a thread
- * is not ordered with the frame loop, so: the frame arena is not for it (a buffer is reclaimed
- * under it), and in the handle heap it uses alloc, free, pin and unpin, not bare resolve (a
- * compaction step may move a resolved block at any time; it holds the heap lock, so alloc, free,
- * pin and unpin wait for it, and a pinned block never moves). The jobs it submits follow the
- * same handle rule: compaction checks once, before it starts, that no job is live, and a job
- * submitted after that check runs beside it. A thread that never attached still may use the
- * thread caches: it shares their fallback cache, under a lock (the runtime's caches are
+ * Threads that are not workers: sp_thread_attach gives one a thread cache and registers it for
+ * QSBR; it reports quiescent states with sp_thread_quiescent now and then (a thread that never
+ * does delays reclamation, never a frame), goes offline with sp_thread_offline before it blocks
+ * for long (I/O, a wait: reclamation then does not wait for it) and comes back with
+ * sp_thread_online, and must sp_thread_detach before it exits and before sp_shutdown (one that
+ * exits attached is detached at its exit, reported as misuse). Such a thread is not ordered
+ * with the frame loop, so: the frame arena is not for it (a buffer is reclaimed under it), and
+ * in the handle heap it uses alloc, free, pin and unpin, not bare resolve (a compaction step
+ * may move a resolved block at any time; it holds the heap lock, so alloc, free, pin and unpin
+ * wait for it, and a pinned block never moves). The jobs it submits follow the same handle
+ * rule: compaction checks once, before it starts, that no job is live, and a job submitted
+ * after that check runs beside it. A thread that never attached still may use the thread
+ * caches: it shares their fallback cache, under a lock (the runtime's caches are
  * explicit_attach: no cache it does not know of outlives sp_shutdown).
  *
  * Concurrency:

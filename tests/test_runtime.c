@@ -885,6 +885,40 @@ static void test_frame_counter_misuse(void) {
     is_int(sp_shutdown(), SP_OK, "shutdown");
 }
 
+static void *exits_attached(void *arg) {
+    int *r = arg;
+    r[0] = sp_thread_attach();
+    void *p = sp_tcache_alloc(64);
+    sp_tcache_free(p);
+    return NULL; /* no sp_thread_detach */
+}
+
+/* A thread that ends attached is detached at its exit (reported): reclamation goes on and
+ * sp_shutdown does not refuse for good. */
+static void test_exit_attached(void) {
+    sp_desc d = small_desc(1);
+    sp_init(&d);
+    int r[1] = {-99};
+    ts_log_capture();
+    pthread_t t;
+    pthread_create(&t, NULL, exits_attached, r);
+    pthread_join(t, NULL);
+    int logged = ts_logged.count;
+    bool named = !strcmp(ts_logged.last_call, "sp_thread_detach");
+    ts_log_release();
+    sp_status st;
+    sp_status_get(&st);
+    ok(r[0] == SP_OK && logged == 1 && named && st.attached_threads == 0,
+       "a thread that ends attached: detached at its exit, reported under sp_thread_detach");
+    int before = atomic_load(&freed);
+    for (int f = 0; f < 1000 && atomic_load(&freed) == before; f++) {
+        retire_one();
+        nanosleep(&(struct timespec){.tv_nsec = 1000000}, NULL);
+    }
+    ok(atomic_load(&freed) > before, "reclamation does not wait for it");
+    is_int(sp_shutdown(), SP_OK, "shutdown");
+}
+
 /* Desc sizes the subsystems cannot take are refused by sp_init itself. */
 static void test_desc_sizes(void) {
     sp_desc d = small_desc(0);
@@ -914,6 +948,7 @@ int main(void) {
     test_reentry();
     test_frame_calls_from_job();
     test_frame_counter_misuse();
+    test_exit_attached();
     test_desc_sizes();
     return done();
 }
