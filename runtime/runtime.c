@@ -128,6 +128,7 @@ static void reclaim_batch(void) {
 static void *reclaimer_main(void *arg) {
     (void)arg;
     own_cache_attach(); /* what it frees may have been retired from any thread's cache */
+    atomic_fetch_add(&sp_rt.own_attached, 1);
     for (;;) {
         uint32_t seq = atomic_load(&sp_rt.reclaim_seq);
         bool stop = atomic_load(&sp_rt.reclaim_stop);
@@ -183,6 +184,7 @@ static void handle_retire(void *user, void *old, void (*free_fn)(void *)) {
 static void hook_thread_start(void *user, uint32_t worker) {
     (void)user;
     own_cache_attach();
+    atomic_fetch_add(&sp_rt.own_attached, 1);
     qsbr_register();
     USER_HOOK(thread_start, worker);
 }
@@ -215,9 +217,9 @@ static void hook_worker_sleep(void *user, uint32_t worker) {
     USER_HOOK(worker_sleep, worker);
     /* Going idle after a frame ended: a good moment to collect this cache's inboxes and give
      * surplus spans back (sp_tcache_tidy, once per frame at most; the main thread does it in
-     * sp_frame_end). */
+     * sp_frame_end, not when it sleeps in a wait, so its frame's trimmed_bytes is all it gave). */
     uint64_t epoch = atomic_load_explicit(&sp_rt.tidy_epoch, memory_order_relaxed);
-    if (tls_tidy_epoch != epoch) {
+    if (!rt_main && tls_tidy_epoch != epoch) {
         tls_tidy_epoch = epoch;
         sp_tcache_tidy();
     }
@@ -377,6 +379,7 @@ static void handles_stop(void) {
 static void jobs_stop(void);
 
 static sp_result jobs_start(void) {
+    atomic_store(&sp_rt.own_attached, 0);
     qsbr_register();
     if (sp_thread_start(&sp_rt.reclaimer, reclaimer_main, NULL, "spindle-reclaim") != SP_OK) {
         qsbr_unregister();
@@ -401,6 +404,10 @@ static sp_result jobs_start(void) {
         sp_rt.frame_counter = sp_counter_create(sp_rt.jobs, "frame");
         if (sp_rt.frame_counter) {
             rt_frame_counter_keep(true); /* sp_counter_destroy refuses it */
+            /* The reclaimer and the workers attach as they start: wait for them all. */
+            sp_jobs_status js;
+            sp_jobs_status_get(sp_rt.jobs, &js);
+            while (atomic_load(&sp_rt.own_attached) < js.workers + 1) sp_thread_yield();
             return SP_OK;
         }
         sp_jobs_shutdown(sp_rt.jobs);
