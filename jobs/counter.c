@@ -179,27 +179,11 @@ void jobs_counter_keep(sp_counter *c, bool keep) {
 }
 
 void sp_counter_add(sp_counter *c, int64_t n) {
-    if (SP_UNLIKELY(!c)) {
-        sp_misuse(SP_ERR_INVALID_ARG, "sp_counter_add", NULL, "NULL counter");
-        return;
-    }
-    if (SP_UNLIKELY(!counter_live(c))) {
-        jobs_counter_dead(c, "sp_counter_add", "counter");
-        return;
-    }
-    atomic_fetch_add(&c->value, n);
+    if (counter_check(c, "sp_counter_add") == SP_OK) atomic_fetch_add(&c->value, n);
 }
 
 void sp_counter_sub(sp_counter *c, int64_t n) {
-    if (SP_UNLIKELY(!c)) {
-        sp_misuse(SP_ERR_INVALID_ARG, "sp_counter_sub", NULL, "NULL counter");
-        return;
-    }
-    if (SP_UNLIKELY(!counter_live(c))) {
-        jobs_counter_dead(c, "sp_counter_sub", "counter");
-        return;
-    }
-    counter_lower(c, n);
+    if (counter_check(c, "sp_counter_sub") == SP_OK) counter_lower(c, n);
 }
 
 int64_t sp_counter_value(const sp_counter *c) {

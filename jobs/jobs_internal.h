@@ -263,6 +263,14 @@ static inline bool counter_live(const sp_counter *c) {
     return atomic_load_explicit(&c->live, memory_order_relaxed);
 }
 
+/* SP_OK when `call` may use c; a NULL or destroyed c is reported as misuse
+ * (SP_ERR_INVALID_ARG). The public counter calls' one check. */
+static inline sp_result counter_check(const sp_counter *c, const char *call) {
+    if (SP_UNLIKELY(!c)) return sp_misuse(SP_ERR_INVALID_ARG, call, NULL, "NULL counter");
+    if (SP_UNLIKELY(!counter_live(c))) return jobs_counter_dead(c, call, "counter");
+    return SP_OK;
+}
+
 static inline bool counter_reached(const sp_counter *c, int64_t target) {
     return atomic_load(&c->value) <= target;
 }

@@ -736,9 +736,8 @@ static void wait_blocking(sp_counter *c, int64_t target) {
 }
 
 sp_result sp_counter_wait(sp_counter *c, int64_t target) {
-    if (SP_UNLIKELY(!c))
-        return sp_misuse(SP_ERR_INVALID_ARG, "sp_counter_wait", NULL, "NULL counter");
-    if (SP_UNLIKELY(!counter_live(c))) return jobs_counter_dead(c, "sp_counter_wait", "counter");
+    sp_result r = counter_check(c, "sp_counter_wait");
+    if (SP_UNLIKELY(r != SP_OK)) return r;
     if (counter_reached(c, target)) return SP_OK;
     if (SP_UNLIKELY(atomic_load(&c->s->stopped)))
         return sp_misuse(SP_ERR_SHUTDOWN, "sp_counter_wait", c,
