@@ -64,7 +64,8 @@ sp_result rt_frame_loop_only(const char *call) {
 /* ---- the runtime threads' own caches --------------------------------------------------- */
 
 /* A cache for the calling runtime thread, counted in own_caches before it exists (see
- * runtime.own_caches). Without memory for one the thread shares the fallback cache. */
+ * runtime.own_caches), then the attempt in own_attached. Without memory for one the thread
+ * shares the fallback cache. */
 static sp_result own_cache_attach(void) {
     atomic_fetch_add(&sp_rt.own_caches, 1);
     sp_result r = sp_tcache_thread_attach();
@@ -72,6 +73,7 @@ static sp_result own_cache_attach(void) {
         tls_own_cache = true;
     else
         atomic_fetch_sub(&sp_rt.own_caches, 1);
+    atomic_fetch_add(&sp_rt.own_attached, 1);
     return r;
 }
 
@@ -128,7 +130,6 @@ static void reclaim_batch(void) {
 static void *reclaimer_main(void *arg) {
     (void)arg;
     own_cache_attach(); /* what it frees may have been retired from any thread's cache */
-    atomic_fetch_add(&sp_rt.own_attached, 1);
     for (;;) {
         uint32_t seq = atomic_load(&sp_rt.reclaim_seq);
         bool stop = atomic_load(&sp_rt.reclaim_stop);
@@ -184,7 +185,6 @@ static void handle_retire(void *user, void *old, void (*free_fn)(void *)) {
 static void hook_thread_start(void *user, uint32_t worker) {
     (void)user;
     own_cache_attach();
-    atomic_fetch_add(&sp_rt.own_attached, 1);
     qsbr_register();
     USER_HOOK(thread_start, worker);
 }
@@ -379,7 +379,6 @@ static void handles_stop(void) {
 static void jobs_stop(void);
 
 static sp_result jobs_start(void) {
-    atomic_store(&sp_rt.own_attached, 0);
     qsbr_register();
     if (sp_thread_start(&sp_rt.reclaimer, reclaimer_main, NULL, "spindle-reclaim") != SP_OK) {
         qsbr_unregister();
@@ -404,10 +403,11 @@ static sp_result jobs_start(void) {
         sp_rt.frame_counter = sp_counter_create(sp_rt.jobs, "frame");
         if (sp_rt.frame_counter) {
             rt_frame_counter_keep(true); /* sp_counter_destroy refuses it */
-            /* The reclaimer and the workers attach as they start: wait for them all. */
+            /* The reclaimer and the workers attach as they start: wait for them all (and
+             * the main thread, which attached in caches_start). */
             sp_jobs_status js;
             sp_jobs_status_get(sp_rt.jobs, &js);
-            while (atomic_load(&sp_rt.own_attached) < js.workers + 1) sp_thread_yield();
+            while (atomic_load(&sp_rt.own_attached) < js.workers + 2) sp_thread_yield();
             return SP_OK;
         }
         sp_jobs_shutdown(sp_rt.jobs);
@@ -460,6 +460,7 @@ sp_result sp_init(const sp_desc *desc) {
         return SP_ERR_INVALID_ARG;
     }
     sp_rt.failure = NULL;
+    atomic_store(&sp_rt.own_attached, 0);
     sp_result r = desc_fill(desc, &sp_rt.desc);
     if (r != SP_OK) return r;
     rt_main = true;

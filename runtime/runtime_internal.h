@@ -65,8 +65,8 @@ typedef struct runtime {
      * attach: the thread caches give a cache only to threads that ask (explicit_attach), so
      * sp_shutdown knows every cache there is. */
     _Atomic uint32_t own_caches;
-    /* Threads jobs_start started (reclaimer, workers) that have made their attach: sp_init
-     * returns once all have, so sp_shutdown's count is never ahead of the caches. */
+    /* Runtime threads (main, reclaimer, workers) that have made their attach: sp_init returns
+     * once all have, so sp_shutdown's count is never ahead of the caches. */
     _Atomic uint32_t own_attached;
     _Atomic uint64_t tidy_epoch; /* bumped by sp_frame_end: workers tidy when they go idle */
 
