@@ -768,7 +768,6 @@ TRACK_INTERNAL void sp_tcache_free_generic(void *p) {
     track_leave();
 }
 
-
 /* Called by the owner when a free made its span empty (inline path or block_free_owner); never
  * for the current span (its bias keeps `used` above zero): that one stays, no ping-pong. */
 size_t tcache_span_emptied(cache *c, span *s) {
