@@ -327,7 +327,7 @@ sp_desc ts_small_desc(uint32_t workers, size_t handle_mib) {
 
 int ts_fill_spans(size_t size, void **b, int max, int spans, int *first) {
     int n = 0, begun = 0;
-    for (uintptr_t cur = 0; n < max && (begun < spans || n == first[spans - 1]); n++) {
+    for (uintptr_t cur = 0; n < max && begun < spans; n++) {
         b[n] = sp_tcache_alloc(size);
         uintptr_t base = (uintptr_t)b[n] & ~(uintptr_t)(SP_TCACHE_SPAN - 1);
         if (base != cur) first[begun++] = n;

@@ -1,7 +1,8 @@
 /* Thread caches, one layer at a time: size classes (waste bound, lookup table), alloc/free of
  * every class and of large blocks, calloc/realloc/aligned_alloc/usable_size/free_sized,
  * hysteresis at a span boundary, remote frees, orphaned spans of an exited thread (freed
- * from here, then adopted), tidy against trim, and the leak check: every status figure back to zero after trim. */
+ * from here, then adopted), tidy against trim, and the leak check: every status figure back
+ * to zero after trim. */
 #include <stdio.h>
 #include <string.h>
 
@@ -160,26 +161,14 @@ static void test_aligned(void) {
     ok(good, "aligned_alloc: alignments 1 B .. 1 MiB, sizes small to large, all aligned");
 }
 
-/* Allocate blocks of bs bytes into blocks[] until one lands in a span other than the first
- * one's (the current span of the class is then full and that block starts the next); returns
- * how many were taken (at most max). */
-static int fill_span(size_t bs, void **blocks, int max) {
-    int n = 0;
-    blocks[n++] = sp_tcache_alloc(bs);
-    while (n < max) {
-        blocks[n] = sp_tcache_alloc(bs);
-        if (span_base(blocks[n++]) != span_base(blocks[0])) break;
-    }
-    return n;
-}
-
 /* A loop that allocates and frees one block right at a span boundary must not hand a span to
  * the central heap and take it back each time. */
 static void test_hysteresis(void) {
     size_t bs = 1024;
     uint32_t k = tcache_class_of(bs);
     void *blocks[400];
-    int n = fill_span(bs, blocks, 400);
+    int first[3];
+    int n = ts_fill_spans(bs, blocks, 400, 2, first); /* the last block starts the second span */
     sp_tcache_free(blocks[--n]); /* the first block of the second span: that span now empty */
     sp_tlsf_status before, after;
     heap_status(&tc.spans, &before);
@@ -203,7 +192,8 @@ static void test_refill_reuses(void) {
     sp_tcache_thread_detach();
     sp_tcache_trim(); /* no orphans: the spans below are new, cut a page at a time */
     sp_tcache_thread_attach();
-    int n = fill_span(bs, blocks, MAX); /* span A full; the last block starts span B */
+    int first[3];
+    int n = ts_fill_spans(bs, blocks, MAX, 2, first); /* span A full; the last starts span B */
     char *span_a = span_base(blocks[0]), *span_b = span_base(blocks[n - 1]);
     /* B is carved a page at a time: take what is left of its first carve, so its free list
      * is empty and its tail uncarved. */
