@@ -164,9 +164,11 @@ size_t sp_tcache_trim(void);
  * spans, spares and the shared fallback cache stay (sp_tcache_trim returns those). If blocks
  * were freed into orphaned spans since the orphans were last walked (by any thread's tidy or
  * trim), the orphans are walked and those left empty returned too. Returns the bytes returned
- * to the central heap. Any thread. Cost: a load per span the caller holds, plus the cache's
- * lock per span emptied and the heap lock per span returned; O(orphans) under the orphan lock
- * only when orphans were freed into. */
+ * to the central heap. Any thread. Cost: bounded whatever the heap holds - the inbox of each
+ * class's current span, and of at most 64 of the other spans, resuming where the last call
+ * stopped (a cache holding more is walked over several calls: a span remote frees emptied
+ * may wait that many calls to be returned); the cache's lock per span emptied, the heap lock
+ * per span returned; O(orphans) under the orphan lock only when orphans were freed into. */
 size_t sp_tcache_tidy(void);
 
 /* ---- allocation: inline fast paths below, their out-of-line rest in tcache.c ------------- */
@@ -216,6 +218,12 @@ void sp_tcache_status_local(sp_tcache_status *out);
 /* Figures of every cache, the orphans and both central heaps. Cost: O(spans); takes the
  * registry lock, each cache's list lock, the orphan lock, the heap locks in turn. */
 void sp_tcache_status_get(sp_tcache_status *out);
+
+/* The two central heaps' figures alone (span_heap and large_heap of sp_tcache_status_get),
+ * walking no cache: O(1), each heap's lock in turn. What the caches and large blocks hold from
+ * the central heap is spans->bytes_used + large->bytes_used (free blocks in the spans
+ * included). Either pointer may be NULL. All zero before init. */
+void sp_tcache_heap_status(sp_tlsf_status *spans, sp_tlsf_status *large);
 
 /* For the malloc drop-in (fork safety): take every global lock / release them in the parent /
  * re-initialise them in the child. The child keeps only the forking thread's cache; spans of

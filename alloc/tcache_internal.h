@@ -94,10 +94,11 @@ SP_INLINE size_t span_area(const span *s) {
 }
 
 typedef struct cache {
-    sp_tcache pub;                 /* cur[]: read by the inline alloc path */
-    span *ring[SP_TCACHE_CLASSES]; /* other spans of each class, circular, NULL if none */
+    sp_tcache pub;                        /* cur[]: read by the inline alloc path */
+    span *ring[SP_TCACHE_CLASSES];        /* other spans of each class, circular, NULL if none */
     uint32_t ring_len[SP_TCACHE_CLASSES]; /* spans on each ring */
-    span *empty;                   /* empty spans kept for reuse */
+    uint32_t tidy_class;                  /* where sp_tcache_tidy's walk of the rings resumes */
+    span *empty;                          /* empty spans kept for reuse */
     uint32_t empty_count;
     sp_mutex lock;       /* list structure (cur, ring, empty) against status readers */
     uint64_t tid;        /* OS thread id of the thread that attached it */

@@ -98,19 +98,41 @@ void sp_tcache_status_get(sp_tcache_status *st) {
     st->fragmentation = st->large_heap.fragmentation;
 }
 
+void sp_tcache_heap_status(sp_tlsf_status *spans, sp_tlsf_status *large) {
+    bool ready = atomic_load_explicit(&tc.ready, memory_order_acquire);
+    heap *from[2] = {&tc.spans, &tc.large};
+    sp_tlsf_status *out[2] = {spans, large};
+    for (int i = 0; i < 2; i++) {
+        if (!out[i]) continue;
+        if (ready)
+            heap_status(from[i], out[i]);
+        else
+            memset(out[i], 0, sizeof *out[i]);
+    }
+}
+
 /* ---- tidy and trim ------------------------------------------------------------------------ */
 
-/* Take c's inboxes back (c's owner, or its lock holder). all (trim): every span left empty is
- * returned, current and kept empty ones too. Otherwise (tidy): current spans and kept empty
- * ones stay, and a ring span the inbox left empty goes the way of one its owner emptied
- * (tcache_span_emptied: kept while c keeps fewer than keep_empty). Returns the bytes returned. */
-static size_t cache_sweep(cache *c, bool all) {
+/* Ring spans one sp_tcache_tidy looks at, at most: a tidy runs every frame, and a walk of
+ * every ring was a cache miss per span held (spans lie 256 KiB apart): its cost grew with the
+ * live heap. Rings longer than this are walked over several tidies. */
+enum { TIDY_SPANS = 64 };
+
+/* Take span s's inbox back (c its owner, or c's lock holder); if that left it empty, it goes
+ * the way of a span its owner emptied (tcache_span_emptied: kept while c keeps fewer than
+ * keep_empty). Returns the bytes returned. */
+static size_t ring_span_tidy(cache *c, span *s) {
+    return span_collect(s, c) && span_used(s) == 0 ? tcache_span_emptied(c, s) : 0;
+}
+
+/* Trim: take c's inboxes back and return every empty span, current and kept ones too. */
+static size_t cache_sweep_all(cache *c) {
     size_t bytes = 0;
     for (uint32_t k = 0; k < SP_TCACHE_CLASSES; k++) {
         span *cur = (span *)c->pub.cur[k];
         if (cur != &tcache_sentinel) {
             span_collect(cur, c);
-            if (all && span_used(cur) == 0) {
+            if (span_used(cur) == 0) {
                 sp_mutex_lock(&c->lock);
                 tcache_set_cur(c, k, &tcache_sentinel);
                 sp_mutex_unlock(&c->lock);
@@ -122,21 +144,50 @@ static size_t cache_sweep(cache *c, bool all) {
         span *s = c->ring[k];
         for (uint32_t n = c->ring_len[k]; n > 0; n--) {
             span *next = s->next;
-            if ((span_collect(s, c) || all) && span_used(s) == 0) {
-                if (all) {
-                    sp_mutex_lock(&c->lock);
-                    tcache_ring_remove(c, s);
-                    sp_mutex_unlock(&c->lock);
-                    span_release(s);
-                    bytes += SP_TCACHE_SPAN;
-                } else {
-                    bytes += tcache_span_emptied(c, s);
-                }
+            span_collect(s, c);
+            if (span_used(s) == 0) {
+                sp_mutex_lock(&c->lock);
+                tcache_ring_remove(c, s);
+                sp_mutex_unlock(&c->lock);
+                span_release(s);
+                bytes += SP_TCACHE_SPAN;
             }
             s = next;
         }
     }
-    return all ? bytes + tcache_empty_release(c) : bytes;
+    return bytes + tcache_empty_release(c);
+}
+
+/* Tidy: take back the inboxes of c's current spans and of up to TIDY_SPANS ring spans,
+ * resuming where the last tidy stopped (c->tidy_class; a ring walked in part is rotated past
+ * what was walked, as ring_scan rotates it). Current and kept empty spans stay. */
+static size_t cache_sweep_some(cache *c) {
+    size_t bytes = 0;
+    for (uint32_t k = 0; k < SP_TCACHE_CLASSES; k++) {
+        span *cur = (span *)c->pub.cur[k];
+        if (cur != &tcache_sentinel) span_collect(cur, c);
+    }
+    uint32_t budget = TIDY_SPANS, k = c->tidy_class;
+    for (uint32_t i = 0; i < SP_TCACHE_CLASSES && budget > 0; i++) {
+        uint32_t len = c->ring_len[k];
+        bool part = len > budget;
+        span *s = c->ring[k];
+        for (uint32_t n = part ? budget : len; n > 0; n--) {
+            span *next = s->next; /* s may leave the ring; next was not walked yet: it stays */
+            bytes += ring_span_tidy(c, s);
+            s = next;
+        }
+        if (part) { /* the next tidy starts at s */
+            sp_mutex_lock(&c->lock);
+            c->ring[k] = s;
+            sp_mutex_unlock(&c->lock);
+            break;
+        }
+        budget -= len;
+        k = (k + 1) % SP_TCACHE_CLASSES;
+    }
+    c->tidy_class = k;
+    return bytes;
 }
 
 /* Collect every orphan's inbox and return the orphans left empty (orphan lock held). */
@@ -168,10 +219,10 @@ static size_t give_back(bool all) {
     track_enter();
     size_t bytes = 0;
     cache *c = (cache *)sp_tcache_tls;
-    if (c->registered) bytes += cache_sweep(c, all);
+    if (c->registered) bytes += all ? cache_sweep_all(c) : cache_sweep_some(c);
     if (all) {
         sp_mutex_lock(&tc.fallback_lock);
-        bytes += cache_sweep(&tc.fallback, true);
+        bytes += cache_sweep_all(&tc.fallback);
         sp_mutex_unlock(&tc.fallback_lock);
     }
     if (all || atomic_load_explicit(&tc.orphan_frees, memory_order_acquire) !=

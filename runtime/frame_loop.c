@@ -128,10 +128,12 @@ sp_result sp_frame_end(void) {
     rt_quiescent();
     rt_reclaim_kick();
 
-    sp_tcache_status ts;
-    sp_tcache_status_get(&ts);
-    st.heap_bytes = ts.bytes_used;
-    st.heap_high_water = ts.high_water;
+    /* The central heap's counters, not sp_tcache_status_get: that walks every span of every
+     * cache, each under its lock - a cost that grew with the live heap, every frame. */
+    sp_tlsf_status spans, large;
+    sp_tcache_heap_status(&spans, &large);
+    st.heap_bytes = spans.bytes_used + large.bytes_used;
+    st.heap_high_water = spans.high_water + large.high_water;
     sp_handle_heap_status hs;
     sp_handle_heap_status_get(sp_rt.handles, &hs);
     st.handle_bytes = hs.live_bytes;

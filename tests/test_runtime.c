@@ -167,6 +167,22 @@ static void test_frame_jobs(uint32_t workers) {
        "... frame 4, %llu jobs run, %zu arena bytes, frame %llu ns >= wait %llu ns",
        (unsigned long long)st.jobs_run, st.arena_bytes, (unsigned long long)st.frame_ns,
        (unsigned long long)st.wait_ns);
+    /* heap_bytes: the central heap's bytes in use (spans and large blocks), read without
+     * walking the caches. */
+    const size_t big_size = (size_t)4 << 20;
+    void *big = sp_tcache_alloc(big_size);
+    sp_frame_stats with, without;
+    sp_frame_begin();
+    sp_frame_end();
+    sp_frame_stats_last(&with);
+    sp_tcache_free(big);
+    sp_frame_begin();
+    sp_frame_end();
+    sp_frame_stats_last(&without);
+    ok(big && with.heap_bytes >= without.heap_bytes + big_size &&
+           with.heap_high_water >= with.heap_bytes,
+       "... heap_bytes counts a 4 MiB block while it lives (%zu, then %zu; high water %zu)",
+       with.heap_bytes, without.heap_bytes, with.heap_high_water);
     ts_log_capture();
     is_int(sp_frame_end(), SP_ERR_INVALID_ARG, "frame_end without begin: SP_ERR_INVALID_ARG");
     sp_frame_begin();

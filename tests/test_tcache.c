@@ -494,6 +494,30 @@ static void test_tidy(void) {
     sp_tcache_trim();
 }
 
+/* A tidy walks a bounded number of spans (64, resuming where the last stopped): a cache
+ * holding 100 spans that remote frees emptied gets them back over two tidies, none lost. */
+static void test_tidy_bounded(void) {
+    enum { SPANS = 100, MAX = SPANS * 20 };
+    static void *b[MAX];
+    sp_tcache_thread_detach();
+    sp_tcache_trim();
+    sp_tcache_thread_attach();
+    int first[SPANS + 1];
+    int total = ts_fill_spans(16000, b, MAX, SPANS, first);
+    blocks ring = {b, first[SPANS - 1]}; /* every span but the current one */
+    free_elsewhere(&ring);
+    size_t expect = (size_t)(SPANS - 1 - tc.keep_empty) * SP_TCACHE_SPAN, sum = 0, got[4];
+    for (int i = 0; i < 4; i++) sum += got[i] = sp_tcache_tidy();
+    ok(total > first[SPANS - 1] && got[0] > 0 && got[0] <= 64 * SP_TCACHE_SPAN &&
+           got[1] > 0 && sum == expect && got[3] == 0,
+       "tidy walks at most 64 spans a call and goes on where it stopped (spans returned: %zu, "
+       "%zu, %zu, %zu; %zu expected in all)",
+       got[0] / SP_TCACHE_SPAN, got[1] / SP_TCACHE_SPAN, got[2] / SP_TCACHE_SPAN,
+       got[3] / SP_TCACHE_SPAN, expect / SP_TCACHE_SPAN);
+    for (int i = first[SPANS - 1]; i < total; i++) sp_tcache_free(b[i]);
+    sp_tcache_trim();
+}
+
 static sp_mutex attached_lock; /* held by main while the attached thread must stay */
 
 static void *stays_attached(void *arg) {
@@ -526,6 +550,33 @@ static void test_shutdown_refused(void) {
     ok(r[2], "... and that thread's cache still works");
 }
 
+/* sp_tcache_heap_status: the central heaps' figures sp_tcache_status_get reports, without
+ * walking the caches. */
+static void test_heap_status(void) {
+    sp_tlsf_status s0, l0, s1, l1;
+    sp_tcache_heap_status(&s0, &l0);
+    void *big = sp_tcache_alloc((size_t)1 << 20);
+    void *small[64];
+    for (int i = 0; i < 64; i++) small[i] = sp_tcache_alloc(4000); /* more than one span */
+    sp_tcache_heap_status(&s1, NULL);
+    sp_tcache_heap_status(NULL, &l1);
+    sp_tcache_status st;
+    sp_tcache_status_get(&st);
+    ok(l1.bytes_used >= l0.bytes_used + ((size_t)1 << 20) &&
+           l1.live_blocks == l0.live_blocks + 1 && s1.bytes_used > s0.bytes_used &&
+           l1.bytes_used == st.large_heap.bytes_used &&
+           l1.live_blocks == st.large_heap.live_blocks &&
+           s1.bytes_used == st.span_heap.bytes_used &&
+           s1.high_water == st.span_heap.high_water,
+       "heap_status: a large block and new spans show, as in status_get (large %zu -> %zu, "
+       "spans %zu -> %zu bytes)",
+       l0.bytes_used, l1.bytes_used, s0.bytes_used, s1.bytes_used);
+    sp_tcache_free(big);
+    for (int i = 0; i < 64; i++) sp_tcache_free(small[i]);
+    sp_tcache_heap_status(NULL, &l1);
+    is_int(l1.bytes_used, l0.bytes_used, "... the large block's bytes go back with it");
+}
+
 static void test_leak_check(void) {
     sp_tcache_thread_detach();
     sp_tcache_trim();
@@ -546,7 +597,7 @@ static void test_leak_check(void) {
 }
 
 int main(void) {
-    plan(44);
+    plan(48);
     sp_tcache_desc desc = {.region_size = (size_t)1 << 30, .keep_detached = 2};
     ok(sp_tcache_init(&desc) == SP_OK, "init");
     test_classes();
@@ -562,8 +613,16 @@ int main(void) {
     test_detached_reuse();
     test_remote();
     test_tidy();
+    test_tidy_bounded();
     test_shutdown_refused();
+    test_heap_status();
     test_leak_check();
+    sp_tlsf_status none[2];
+    memset(none, 0xAB, sizeof none);
+    sp_tcache_heap_status(&none[0], &none[1]);
+    ok(none[0].bytes_used == 0 && none[0].pool_count == 0 && none[1].bytes_used == 0 &&
+           none[1].high_water == 0,
+       "heap_status after shutdown: all zero");
     /* Lazy initialisation with defaults, after a shutdown. */
     void *p = sp_tcache_alloc(10);
     ok(p != NULL, "first alloc after shutdown initialises again (defaults)");
