@@ -93,8 +93,9 @@ typedef struct sp_tcache_desc {
                                empty spans beyond that go back to the central heap */
     bool explicit_attach;   /* threads get a cache of their own only from
                                sp_tcache_thread_attach; the others share the fallback cache
-                               under its lock (the runtime sets it, so that no cache it does
-                               not know of outlives sp_shutdown) */
+                               under its lock, each told once (SP_LOG_WARN,
+                               SP_ERR_INVALID_ARG, naming its thread); the runtime sets it, so
+                               that no cache it does not know of outlives sp_shutdown */
 } sp_tcache_desc;
 
 typedef struct sp_tcache_status {

@@ -29,6 +29,8 @@ _Thread_local sp_tcache *sp_tcache_tls __attribute__((tls_model("initial-exec"))
 /* Set once the thread-exit hook has run: later calls (other destructors, libc's own) use the
  * shared fallback cache under its lock instead of attaching again. */
 static _Thread_local bool tls_exited;
+/* Set once the thread was told that it allocates from the fallback cache (explicit_attach). */
+static _Thread_local bool tls_fallback_told;
 
 /* ---- size classes ------------------------------------------------------------------------ */
 
@@ -589,6 +591,13 @@ static cache *cache_get(bool *locked) {
     if (SP_LIKELY(c != &unattached)) return c;
     if (attach_implicitly()) return (cache *)sp_tcache_tls;
     if (!tcache_ready()) return NULL;
+    if (tc.explicit_attach && !tls_exited && !tls_fallback_told) {
+        tls_fallback_told = true; /* once per thread: it works, only slower */
+        sp_log(SP_LOG_WARN, SP_ERR_INVALID_ARG, "sp_tcache_alloc", NULL,
+               "thread %llu is not attached: its allocations share the fallback cache under a "
+               "lock; attach it (sp_thread_attach) for a cache of its own",
+               (unsigned long long)sp_thread_os_id());
+    }
     sp_mutex_lock(&tc.fallback_lock);
     *locked = true;
     return &tc.fallback;

@@ -740,9 +740,15 @@ static pthread_barrier_t stray_bar;
 
 static void *stray_thread(void *arg) {
     int *r = arg;
+    ts_log_capture();
     void *p = sp_tcache_alloc(100);
-    r[0] = p != NULL && sp_tcache_owner_thread(p) == 0; /* the fallback's: no thread */
+    void *p2 = sp_tcache_alloc(100);
+    r[0] = p != NULL && sp_tcache_owner_thread(p) == 0 && p2 != NULL; /* the fallback's */
+    r[2] = ts_logged.count == 1 && ts_logged.last_id == SP_ERR_INVALID_ARG &&
+           strstr(ts_logged.last_message, "not attached") != NULL;
+    ts_log_release();
     sp_tcache_free(p);
+    sp_tcache_free(p2);
     pthread_barrier_wait(&stray_bar); /* A: main checks, shuts down */
     pthread_barrier_wait(&stray_bar); /* B */
     void *q = sp_tcache_alloc(100); /* a standalone thread cache now (defaults) */
@@ -767,12 +773,13 @@ static void *direct_attach_thread(void *arg) {
 static void test_stray_threads(void) {
     sp_desc d = small_desc(1);
     sp_init(&d);
-    int r[2] = {0, 0};
+    int r[3] = {0, 0, 0};
     pthread_barrier_init(&stray_bar, NULL, 2);
     pthread_t t;
     pthread_create(&t, NULL, stray_thread, r);
     pthread_barrier_wait(&stray_bar);
     ok(r[0], "a thread that did not attach allocates from the shared fallback cache");
+    ok(r[2], "... told once (a warning naming the thread), not at every allocation");
     is_int(sp_shutdown(), SP_OK, "shutdown with such a thread running");
     pthread_barrier_wait(&stray_bar);
     pthread_join(t, NULL);
