@@ -307,10 +307,7 @@ static span *orphan_adopt(cache *c, uint32_t k) {
     if (atomic_load_explicit(&tc.orphan_count[k], memory_order_relaxed) == 0) return NULL;
     sp_mutex_lock(&tc.orphan_lock);
     span *s = tc.orphans[k];
-    if (s) {
-        tc.orphans[k] = s->next;
-        atomic_fetch_sub_explicit(&tc.orphan_count[k], 1, memory_order_relaxed);
-    }
+    if (s) tcache_orphan_unlink(s);
     sp_mutex_unlock(&tc.orphan_lock);
     if (!s) return NULL;
     span_adopt(s, c);
@@ -333,9 +330,10 @@ static void span_detach(span *s) {
         /* A remote free that read the old owner after its push counted no orphan free. */
         if (!spare && atomic_load_explicit(&s->inbox, memory_order_seq_cst))
             atomic_fetch_add_explicit(&tc.orphan_frees, 1, memory_order_relaxed);
-        s->prev = NULL;
         span **list = spare ? &tc.spares[k] : &tc.orphans[k];
+        s->prev = NULL;
         s->next = *list;
+        if (*list) (*list)->prev = s;
         *list = s;
         atomic_fetch_add_explicit(spare ? &tc.spare_count[k] : &tc.orphan_count[k], 1,
                                   memory_order_relaxed);
@@ -343,6 +341,18 @@ static void span_detach(span *s) {
     }
     sp_mutex_unlock(&tc.orphan_lock);
     if (!take) span_release(s);
+}
+
+void tcache_orphan_unlink(span *s) {
+    uint32_t k = s->cls;
+    if (s->prev)
+        s->prev->next = s->next;
+    else
+        tc.orphans[k] = s->next;
+    if (s->next) s->next->prev = s->prev;
+    if (tc.orphan_walk_at == s) tc.orphan_walk_at = s->next;
+    s->next = s->prev = NULL;
+    atomic_fetch_sub_explicit(&tc.orphan_count[k], 1, memory_order_relaxed);
 }
 
 span *tcache_spare_pop(uint32_t k) {

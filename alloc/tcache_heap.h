@@ -44,7 +44,8 @@ typedef struct tcache_state {
     _Atomic size_t unattached_remote_frees, orphan_collected;
 
     sp_mutex orphan_lock; /* orphans and spares */
-    span *orphans[SP_TCACHE_CLASSES]; /* spans of detached caches with live blocks */
+    span *orphans[SP_TCACHE_CLASSES]; /* spans of detached caches with live blocks (linked
+                                         both ways: tcache_orphan_unlink) */
     _Atomic size_t orphan_count[SP_TCACHE_CLASSES];
     /* Empty spans of detached caches, still cut into blocks of their class (at most
      * keep_detached a class): taken before carving by a cache short of that class, and by
@@ -56,6 +57,14 @@ typedef struct tcache_state {
      * consistent with span_detach's check); sp_tcache_tidy walks the orphans when this moved
      * past orphan_frees_seen (written under the orphan lock). */
     _Atomic size_t orphan_frees, orphan_frees_seen;
+    /* sp_tcache_tidy's walk of the orphans (orphan lock), a bounded part a call: a pass visits
+     * every orphan there was when it began (pass_frees: orphan_frees then, seen once the pass
+     * ends); walk_at is the next orphan of class walk_class to visit, NULL when that class is
+     * done (tcache_orphan_unlink moves it past an orphan taken meanwhile). */
+    bool orphan_pass;
+    uint32_t orphan_walk_class;
+    span *orphan_walk_at;
+    size_t orphan_pass_frees;
 
     sp_mutex fallback_lock; /* the fallback cache of exited threads */
     cache fallback;
@@ -88,6 +97,7 @@ void tcache_cache_init(cache *c, uint64_t tid);
 void tcache_set_cur(cache *c, uint32_t k, span *s);
 void tcache_ring_remove(cache *c, span *s); /* c->lock held */
 span *tcache_spare_pop(uint32_t k);        /* a spare of class k, NULL if none; orphan lock held */
+void tcache_orphan_unlink(span *s);        /* off its orphan list; orphan lock held */
 void tcache_cache_drain(cache *c);
 size_t tcache_empty_release(cache *c);
 size_t tcache_span_emptied(cache *c, span *s); /* bytes returned: 0 if kept */

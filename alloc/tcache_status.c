@@ -113,9 +113,9 @@ void sp_tcache_heap_status(sp_tlsf_status *spans, sp_tlsf_status *large) {
 
 /* ---- tidy and trim ------------------------------------------------------------------------ */
 
-/* Ring spans one sp_tcache_tidy looks at, at most: a tidy runs every frame, and a walk of
- * every ring was a cache miss per span held (spans lie 256 KiB apart): its cost grew with the
- * live heap. Rings longer than this are walked over several tidies. */
+/* Ring spans one sp_tcache_tidy looks at, at most, and orphans: a tidy runs every frame, and
+ * a walk of every ring (or orphan list) was a cache miss per span (spans lie 256 KiB apart):
+ * its cost grew with the live heap. Longer lists are walked over several tidies. */
 enum { TIDY_SPANS = 64 };
 
 /* Take span s's inbox back (c its owner, or c's lock holder); if that left it empty, it goes
@@ -190,30 +190,61 @@ static size_t cache_sweep_some(cache *c) {
     return bytes;
 }
 
-/* Collect every orphan's inbox and return the orphans left empty (orphan lock held). */
-static size_t orphans_release_empty(void) {
+/* Orphan s's inbox collected; s returned if that left it empty (orphan lock held). */
+static size_t orphan_visit(span *s) {
+    span_collect(s, NULL);
+    if (span_used(s) != 0) return 0;
+    tcache_orphan_unlink(s);
+    span_release(s);
+    return SP_TCACHE_SPAN;
+}
+
+/* Trim: every orphan visited (orphan lock held); a tidy's pass under way ends with it. */
+static size_t orphans_walk_all(void) {
     size_t bytes = 0;
-    for (uint32_t k = 0; k < SP_TCACHE_CLASSES; k++) {
-        span **link = &tc.orphans[k];
-        while (*link) {
-            span *s = *link;
-            span_collect(s, NULL);
-            if (span_used(s) == 0) {
-                *link = s->next;
-                atomic_fetch_sub_explicit(&tc.orphan_count[k], 1, memory_order_relaxed);
-                span_release(s);
-                bytes += SP_TCACHE_SPAN;
-            } else {
-                link = &s->next;
-            }
+    for (uint32_t k = 0; k < SP_TCACHE_CLASSES; k++)
+        for (span *s = tc.orphans[k], *next; s; s = next) {
+            next = s->next;
+            bytes += orphan_visit(s);
         }
+    tc.orphan_pass = false;
+    return bytes;
+}
+
+/* Tidy: a pass over the orphans goes on for up to TIDY_SPANS of them (orphan lock held);
+ * starts one when frees reached orphans since the last (frees: orphan_frees now). */
+static size_t orphans_walk_some(size_t frees) {
+    if (!tc.orphan_pass) {
+        if (frees == atomic_load_explicit(&tc.orphan_frees_seen, memory_order_relaxed)) return 0;
+        tc.orphan_pass = true;
+        tc.orphan_pass_frees = frees;
+        tc.orphan_walk_class = 0;
+        tc.orphan_walk_at = tc.orphans[0];
+    }
+    size_t bytes = 0;
+    for (uint32_t budget = TIDY_SPANS; budget > 0;) {
+        span *s = tc.orphan_walk_at;
+        if (!s) { /* that class is done */
+            if (++tc.orphan_walk_class == SP_TCACHE_CLASSES) {
+                tc.orphan_pass = false;
+                atomic_store_explicit(&tc.orphan_frees_seen, tc.orphan_pass_frees,
+                                      memory_order_relaxed);
+                break;
+            }
+            tc.orphan_walk_at = tc.orphans[tc.orphan_walk_class];
+            continue;
+        }
+        tc.orphan_walk_at = s->next;
+        bytes += orphan_visit(s);
+        budget--;
     }
     return bytes;
 }
 
 /* sp_tcache_tidy (all false) and sp_tcache_trim (all true): the caller's cache swept, and
  * (trim) the fallback cache's; the orphans walked when frees reached them since the last walk
- * (trim: always); (trim) the spares returned. */
+ * (tidy: TIDY_SPANS of them a call, going on with its pass; trim: all of them, always); (trim)
+ * the spares returned. */
 static size_t give_back(bool all) {
     if (!atomic_load_explicit(&tc.ready, memory_order_acquire)) return 0;
     track_enter();
@@ -225,13 +256,16 @@ static size_t give_back(bool all) {
         bytes += cache_sweep_all(&tc.fallback);
         sp_mutex_unlock(&tc.fallback_lock);
     }
+    /* Seen moves only when a pass ends: a tidy takes the orphan lock while one is under way. */
     if (all || atomic_load_explicit(&tc.orphan_frees, memory_order_acquire) !=
                    atomic_load_explicit(&tc.orphan_frees_seen, memory_order_relaxed)) {
         sp_mutex_lock(&tc.orphan_lock);
         size_t frees = atomic_load_explicit(&tc.orphan_frees, memory_order_acquire);
-        if (all || frees != atomic_load_explicit(&tc.orphan_frees_seen, memory_order_relaxed)) {
+        if (all) {
             atomic_store_explicit(&tc.orphan_frees_seen, frees, memory_order_relaxed);
-            bytes += orphans_release_empty();
+            bytes += orphans_walk_all();
+        } else {
+            bytes += orphans_walk_some(frees);
         }
         for (uint32_t k = 0; all && k < SP_TCACHE_CLASSES; k++)
             for (span *s; (s = tcache_spare_pop(k)) != NULL; bytes += SP_TCACHE_SPAN)

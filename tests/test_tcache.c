@@ -518,6 +518,38 @@ static void test_tidy_bounded(void) {
     sp_tcache_trim();
 }
 
+static void *alloc_spans_and_exit(void *arg) {
+    blocks *l = arg;
+    int first[101];
+    l->n = ts_fill_spans(16000, l->b, l->n, 100, first);
+    return NULL; /* exits holding them: 100 orphans */
+}
+
+/* The orphans too: 100 of them, emptied by frees, come back over two tidies, at most 64 a
+ * call, none lost; a third finds nothing. */
+static void test_tidy_orphans_bounded(void) {
+    enum { MAX = 100 * 20 };
+    static void *b[MAX];
+    sp_tcache_trim();
+    sp_tcache_status st0, st;
+    sp_tcache_status_get(&st0);
+    blocks o = {b, MAX};
+    sp_thread t;
+    sp_thread_start(&t, alloc_spans_and_exit, &o, "sp-orphans");
+    sp_thread_join(t);
+    sp_tcache_status_get(&st);
+    size_t orphans = st.spans_orphaned - st0.spans_orphaned;
+    free_elsewhere(&o);
+    size_t got[3];
+    for (int i = 0; i < 3; i++) got[i] = sp_tcache_tidy() / SP_TCACHE_SPAN;
+    sp_tcache_status_get(&st);
+    ok(orphans == 100 && got[0] == 64 && got[1] == 36 && got[2] == 0 &&
+           st.spans_orphaned == st0.spans_orphaned,
+       "tidy walks at most 64 orphans a call, its pass going on (orphans returned: %zu, %zu, "
+       "%zu of %zu)",
+       got[0], got[1], got[2], orphans);
+}
+
 static sp_mutex attached_lock; /* held by main while the attached thread must stay */
 
 static void *stays_attached(void *arg) {
@@ -597,7 +629,7 @@ static void test_leak_check(void) {
 }
 
 int main(void) {
-    plan(48);
+    plan(49);
     sp_tcache_desc desc = {.region_size = (size_t)1 << 30, .keep_detached = 2};
     ok(sp_tcache_init(&desc) == SP_OK, "init");
     test_classes();
@@ -614,6 +646,7 @@ int main(void) {
     test_remote();
     test_tidy();
     test_tidy_bounded();
+    test_tidy_orphans_bounded();
     test_shutdown_refused();
     test_heap_status();
     test_leak_check();
