@@ -98,6 +98,7 @@ typedef struct cache {
     span *ring[SP_TCACHE_CLASSES];        /* other spans of each class, circular, NULL if none */
     uint32_t ring_len[SP_TCACHE_CLASSES]; /* spans on each ring */
     uint32_t tidy_class;                  /* where sp_tcache_tidy's walk of the rings resumes */
+    uint32_t tidy_left;                   /* spans of that ring still to walk (0: all of it) */
     span *empty;                          /* empty spans kept for reuse */
     uint32_t empty_count;
     sp_mutex lock;       /* list structure (cur, ring, empty) against status readers */

@@ -159,8 +159,10 @@ static size_t cache_sweep_all(cache *c) {
 }
 
 /* Tidy: take back the inboxes of c's current spans and of up to TIDY_SPANS ring spans,
- * resuming where the last tidy stopped (c->tidy_class; a ring walked in part is rotated past
- * what was walked, as ring_scan rotates it). Current and kept empty spans stay. */
+ * going on where the last tidy stopped: in class tidy_class, tidy_left spans of its ring
+ * still to walk, from its head (a ring walked in part is rotated past what was walked, as
+ * ring_scan rotates it). A class is done once its ring's length was walked, so a ring longer
+ * than the budget does not hold the walk. Current and kept empty spans stay. */
 static size_t cache_sweep_some(cache *c) {
     size_t bytes = 0;
     for (uint32_t k = 0; k < SP_TCACHE_CLASSES; k++) {
@@ -169,21 +171,23 @@ static size_t cache_sweep_some(cache *c) {
     }
     uint32_t budget = TIDY_SPANS, k = c->tidy_class;
     for (uint32_t i = 0; i < SP_TCACHE_CLASSES && budget > 0; i++) {
-        uint32_t len = c->ring_len[k];
-        bool part = len > budget;
+        uint32_t left = c->tidy_left ? c->tidy_left : c->ring_len[k];
+        if (left > c->ring_len[k]) left = c->ring_len[k]; /* the ring shrank meanwhile */
+        uint32_t n = left < budget ? left : budget;
         span *s = c->ring[k];
-        for (uint32_t n = part ? budget : len; n > 0; n--) {
+        for (uint32_t j = n; j > 0; j--) {
             span *next = s->next; /* s may leave the ring; next was not walked yet: it stays */
             bytes += ring_span_tidy(c, s);
             s = next;
         }
-        if (part) { /* the next tidy starts at s */
+        budget -= n;
+        c->tidy_left = left - n;
+        if (c->tidy_left > 0) { /* the next tidy starts at s */
             sp_mutex_lock(&c->lock);
             c->ring[k] = s;
             sp_mutex_unlock(&c->lock);
             break;
         }
-        budget -= len;
         k = (k + 1) % SP_TCACHE_CLASSES;
     }
     c->tidy_class = k;

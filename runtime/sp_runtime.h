@@ -131,9 +131,10 @@ typedef struct sp_frame_stats {
     size_t arena_chunks;
     size_t arena_overflows;      /* requests the buffer could not serve (never silent) */
     size_t arena_overflow_bytes; /* of them, bytes the central heap served instead */
-    size_t heap_bytes;           /* central heap: bytes the thread caches hold (spans, their free
-                                    blocks included) and large blocks (sp_tcache_heap_status); the
-                                    bytes in live blocks: sp_tcache_status_get, O(spans) */
+    size_t heap_bytes;           /* central heap in use (sp_tcache_heap_status): spans (of the
+                                    caches, free blocks included; orphans, spares, the caches'
+                                    records) and large blocks. Bytes in live blocks:
+                                    sp_tcache_status_get, O(spans) */
     size_t heap_high_water;      /* the peaks of its span and large-block parts, added */
     size_t trimmed_bytes;        /* bytes of spans the main thread's sp_tcache_tidy gave back */
     size_t handle_bytes;         /* handle heap: live bytes */

@@ -494,27 +494,43 @@ static void test_tidy(void) {
     sp_tcache_trim();
 }
 
-/* A tidy walks a bounded number of spans (64, resuming where the last stopped): a cache
- * holding 100 spans that remote frees emptied gets them back over two tidies, none lost. */
+/* A tidy walks a bounded number of ring spans (64), going on where the last stopped, and a
+ * ring longer than that does not hold the walk: a new cache with 3 ring spans of 1 KiB blocks
+ * (B) and 99 of 16,000-byte blocks (A, a later class), one block of each A span freed on
+ * another thread. The first tidy walks B's 3 and 61 of A; B's ring is then emptied elsewhere;
+ * the second walks A's other 38 and goes on to B. */
 static void test_tidy_bounded(void) {
-    enum { SPANS = 100, MAX = SPANS * 20 };
-    static void *b[MAX];
+    enum { A_SPANS = 100, B_SPANS = 4, MAX_A = A_SPANS * 20, MAX_B = B_SPANS * 300 };
+    static void *a[MAX_A], *b[MAX_B], *one[A_SPANS];
     sp_tcache_thread_detach();
     sp_tcache_trim();
-    sp_tcache_thread_attach();
-    int first[SPANS + 1];
-    int total = ts_fill_spans(16000, b, MAX, SPANS, first);
-    blocks ring = {b, first[SPANS - 1]}; /* every span but the current one */
-    free_elsewhere(&ring);
-    size_t expect = (size_t)(SPANS - 1 - tc.keep_empty) * SP_TCACHE_SPAN, sum = 0, got[4];
-    for (int i = 0; i < 4; i++) sum += got[i] = sp_tcache_tidy();
-    ok(total > first[SPANS - 1] && got[0] > 0 && got[0] <= 64 * SP_TCACHE_SPAN &&
-           got[1] > 0 && sum == expect && got[3] == 0,
-       "tidy walks at most 64 spans a call and goes on where it stopped (spans returned: %zu, "
-       "%zu, %zu, %zu; %zu expected in all)",
-       got[0] / SP_TCACHE_SPAN, got[1] / SP_TCACHE_SPAN, got[2] / SP_TCACHE_SPAN,
-       got[3] / SP_TCACHE_SPAN, expect / SP_TCACHE_SPAN);
-    for (int i = first[SPANS - 1]; i < total; i++) sp_tcache_free(b[i]);
+    sp_tcache_thread_attach(); /* a new cache: its walk starts at the first class */
+    int fa[A_SPANS + 1], fb[B_SPANS + 1];
+    int nb = ts_fill_spans(1024, b, MAX_B, B_SPANS, fb);
+    int na = ts_fill_spans(16000, a, MAX_A, A_SPANS, fa);
+    for (int i = 0; i < A_SPANS - 1; i++) {
+        one[i] = a[fa[i]];
+        a[fa[i]] = NULL; /* freed below, on another thread */
+    }
+    blocks ones = {one, A_SPANS - 1};
+    free_elsewhere(&ones);
+    sp_tcache_status s0, s1, s2;
+    sp_tcache_status_local(&s0);
+    size_t got1 = sp_tcache_tidy();
+    sp_tcache_status_local(&s1);
+    blocks ring_b = {b, fb[B_SPANS - 1]};
+    free_elsewhere(&ring_b);
+    size_t got2 = sp_tcache_tidy();
+    sp_tcache_status_local(&s2);
+    size_t c1 = s1.remote_collected - s0.remote_collected;
+    size_t c2 = s2.remote_collected - s1.remote_collected;
+    ok(got1 == 0 && c1 == 61 && c2 == 38 + (size_t)fb[B_SPANS - 1] &&
+           got2 == (B_SPANS - 1 - tc.keep_empty) * SP_TCACHE_SPAN,
+       "tidy walks 64 ring spans a call, goes on where it stopped and past a long ring "
+       "(blocks taken back: %zu, then %zu of %zu; spans returned: %zu, then %zu)",
+       c1, c2, 38 + (size_t)fb[B_SPANS - 1], got1 / SP_TCACHE_SPAN, got2 / SP_TCACHE_SPAN);
+    for (int i = 0; i < na; i++) sp_tcache_free(a[i]);
+    for (int i = fb[B_SPANS - 1]; i < nb; i++) sp_tcache_free(b[i]);
     sp_tcache_trim();
 }
 
@@ -586,23 +602,26 @@ static void test_shutdown_refused(void) {
  * walking the caches. */
 static void test_heap_status(void) {
     sp_tlsf_status s0, l0, s1, l1;
+    sp_tcache_thread_attach(); /* its record taken before s0 */
+    sp_tcache_trim();          /* no spares: the blocks below take new spans */
     sp_tcache_heap_status(&s0, &l0);
     void *big = sp_tcache_alloc((size_t)1 << 20);
     void *small[64];
-    for (int i = 0; i < 64; i++) small[i] = sp_tcache_alloc(4000); /* more than one span */
+    for (int i = 0; i < 64; i++) small[i] = sp_tcache_alloc(4000); /* two spans' worth */
     sp_tcache_heap_status(&s1, NULL);
     sp_tcache_heap_status(NULL, &l1);
     sp_tcache_status st;
     sp_tcache_status_get(&st);
     ok(l1.bytes_used >= l0.bytes_used + ((size_t)1 << 20) &&
-           l1.live_blocks == l0.live_blocks + 1 && s1.bytes_used > s0.bytes_used &&
+           l1.live_blocks == l0.live_blocks + 1 &&
+           s1.live_blocks >= s0.live_blocks + 2 && s1.bytes_used > s0.bytes_used &&
            l1.bytes_used == st.large_heap.bytes_used &&
            l1.live_blocks == st.large_heap.live_blocks &&
            s1.bytes_used == st.span_heap.bytes_used &&
            s1.high_water == st.span_heap.high_water,
        "heap_status: a large block and new spans show, as in status_get (large %zu -> %zu, "
-       "spans %zu -> %zu bytes)",
-       l0.bytes_used, l1.bytes_used, s0.bytes_used, s1.bytes_used);
+       "spans %zu -> %zu)",
+       l0.bytes_used, l1.bytes_used, s0.live_blocks, s1.live_blocks);
     sp_tcache_free(big);
     for (int i = 0; i < 64; i++) sp_tcache_free(small[i]);
     sp_tcache_heap_status(NULL, &l1);
