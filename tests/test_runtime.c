@@ -9,6 +9,7 @@
 #include <time.h>
 
 #include "spindle.h"
+#include "tcache_heap.h" /* white box: the fallback cache's lock */
 #include "test_support.h"
 
 #define MiB ((size_t)1 << 20)
@@ -767,6 +768,42 @@ static void *direct_attach_thread(void *arg) {
     return NULL;
 }
 
+/* A thread that never attached frees a block of another thread's cache: a lock-free push onto
+ * the span's inbox, not a call through the fallback cache (whose lock is held here
+ * meanwhile). */
+static atomic_int stray_freed;
+
+static void *stray_free(void *p) {
+    sp_tcache_free(p);
+    atomic_store(&stray_freed, 1);
+    return NULL;
+}
+
+static void test_stray_free_lock_free(void) {
+    sp_desc d = small_desc(1);
+    sp_init(&d);
+    void *blk = sp_tcache_alloc(100); /* the main thread's cache */
+    sp_tcache_status st0, st;
+    sp_tcache_status_get(&st0);
+    atomic_store(&stray_freed, 0);
+    sp_mutex_lock(&tc.fallback_lock);
+    pthread_t t;
+    pthread_create(&t, NULL, stray_free, blk);
+    for (uint64_t t0 = sp_time_ns();
+         !atomic_load(&stray_freed) && sp_time_ns() - t0 < 10000000000u;)
+        sp_thread_yield();
+    bool quick = atomic_load(&stray_freed);
+    sp_mutex_unlock(&tc.fallback_lock);
+    pthread_join(t, NULL);
+    sp_tcache_status_get(&st);
+    ok(blk && quick && st.remote_frees == st0.remote_frees + 1 &&
+           st.remote_pending == st0.remote_pending + 1,
+       "an unattached thread's free into another cache's span takes no fallback lock (%s; "
+       "remote frees %zu -> %zu)",
+       quick ? "done while it was held" : "it waited", st0.remote_frees, st.remote_frees);
+    is_int(sp_shutdown(), SP_OK, "... shutdown");
+}
+
 /* No thread cache outlives sp_shutdown: a thread that never attached shares the fallback
  * cache (and after the shutdown gets a standalone one), and a thread that attached to the
  * thread caches directly makes sp_shutdown refuse. */
@@ -968,6 +1005,7 @@ int main(void) {
     test_frame_tidy();
     test_worker_tidy();
     test_stray_threads();
+    test_stray_free_lock_free();
     test_reentry();
     test_frame_calls_from_job();
     test_frame_counter_misuse();
