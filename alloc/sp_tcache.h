@@ -170,7 +170,8 @@ size_t sp_tcache_trim(void);
  * stopped (a cache holding more is walked over several calls: a span remote frees emptied
  * may wait that many calls to be returned); the cache's lock per span emptied, the heap lock
  * per span returned; only when orphans were freed into, the orphan lock and at most 64
- * orphans a call (a pass over all of them takes as many calls as it needs). */
+ * orphans a call (a pass over all of them takes as many calls as it needs, and an orphan
+ * emptied behind it waits for the next pass). */
 size_t sp_tcache_tidy(void);
 
 /* ---- allocation: inline fast paths below, their out-of-line rest in tcache.c ------------- */

@@ -529,41 +529,92 @@ static void test_tidy_bounded(void) {
        "tidy walks 64 ring spans a call, goes on where it stopped and past a long ring "
        "(blocks taken back: %zu, then %zu of %zu; spans returned: %zu, then %zu)",
        c1, c2, 38 + (size_t)fb[B_SPANS - 1], got1 / SP_TCACHE_SPAN, got2 / SP_TCACHE_SPAN);
+    /* The walk parked in A's ring, which then shrinks to nothing (its owner frees every
+     * block): the next tidy walks what is left of it, not the 35 spans it expected. */
+    for (int i = 0; i < 10 && ((cache *)sp_tcache_tls)->tidy_left == 0; i++) sp_tcache_tidy();
+    uint32_t left = ((cache *)sp_tcache_tls)->tidy_left;
     for (int i = 0; i < na; i++) sp_tcache_free(a[i]);
+    size_t got3 = sp_tcache_tidy();
+    ok(left > 0 && got3 == 0 && ((cache *)sp_tcache_tls)->tidy_left == 0,
+       "... and past a ring that shrank under it (%u spans of it left to walk, none there)",
+       left);
     for (int i = fb[B_SPANS - 1]; i < nb; i++) sp_tcache_free(b[i]);
     sp_tcache_trim();
 }
 
-static void *alloc_spans_and_exit(void *arg) {
-    blocks *l = arg;
-    int first[101];
-    l->n = ts_fill_spans(16000, l->b, l->n, 100, first);
-    return NULL; /* exits holding them: 100 orphans */
+/* The blocks of test_tidy_orphans_bounded's exiting thread: 100 spans of 8,000-byte blocks
+ * (class L), then 70 of 16,000-byte blocks (class H, a later one). */
+static struct {
+    void *l[100 * 40], *h[70 * 20];
+    int fl[101], fh[71], nl, nh;
+} orph;
+
+static void *alloc_orphans_and_exit(void *arg) {
+    (void)arg;
+    orph.nl = ts_fill_spans(8000, orph.l, 100 * 40, 100, orph.fl);
+    orph.nh = ts_fill_spans(16000, orph.h, 70 * 20, 70, orph.fh);
+    return NULL; /* exits holding them: 170 orphans */
 }
 
-/* The orphans too: 100 of them, emptied by frees, come back over two tidies, at most 64 a
- * call, none lost; a third finds nothing. */
+/* The orphans too: a tidy walks at most 64 a call, its pass going on where the last call
+ * stopped, past a class whose orphans stay (they do not hold the walk), past an orphan
+ * adopted meanwhile (the walk's next one); orphans emptied behind the walk come back in the
+ * next pass. 100 L orphans with one block freed each, 70 H orphans emptied: */
 static void test_tidy_orphans_bounded(void) {
-    enum { MAX = 100 * 20 };
-    static void *b[MAX];
+    static void *one[100];
     sp_tcache_trim();
     sp_tcache_status st0, st;
     sp_tcache_status_get(&st0);
-    blocks o = {b, MAX};
     sp_thread t;
-    sp_thread_start(&t, alloc_spans_and_exit, &o, "sp-orphans");
+    sp_thread_start(&t, alloc_orphans_and_exit, NULL, "sp-orphans");
     sp_thread_join(t);
     sp_tcache_status_get(&st);
     size_t orphans = st.spans_orphaned - st0.spans_orphaned;
-    free_elsewhere(&o);
-    size_t got[3];
-    for (int i = 0; i < 3; i++) got[i] = sp_tcache_tidy() / SP_TCACHE_SPAN;
+    for (int i = 0; i < 99; i++) { /* the 100th L span holds one block: it waits */
+        one[i] = orph.l[orph.fl[i]];
+        orph.l[orph.fl[i]] = NULL;
+    }
+    blocks ones = {one, 99}, hs = {orph.h, orph.nh}, ls = {orph.l, orph.nl};
+    free_elsewhere(&ones);
+    free_elsewhere(&hs);
+    size_t got[5];
+    got[0] = sp_tcache_tidy() / SP_TCACHE_SPAN; /* 64 L: none empty */
+    free_elsewhere(&ls); /* every L orphan empty now (NULLs: freed above), 64 behind the walk */
+    got[1] = sp_tcache_tidy() / SP_TCACHE_SPAN; /* 36 L, 28 H */
+    void *adopted = sp_tcache_alloc(16000);     /* H's first orphan: the walk's next one */
+    got[2] = sp_tcache_tidy() / SP_TCACHE_SPAN; /* the other 41 H; the pass ends */
+    got[3] = sp_tcache_tidy() / SP_TCACHE_SPAN; /* the next pass: the 64 L behind it */
+    got[4] = sp_tcache_tidy() / SP_TCACHE_SPAN;
     sp_tcache_status_get(&st);
-    ok(orphans == 100 && got[0] == 64 && got[1] == 36 && got[2] == 0 &&
-           st.spans_orphaned == st0.spans_orphaned,
-       "tidy walks at most 64 orphans a call, its pass going on (orphans returned: %zu, %zu, "
-       "%zu of %zu)",
-       got[0], got[1], got[2], orphans);
+    ok(st0.spans_orphaned == 0 && orphans == 170 && got[0] == 0 && got[1] == 64 &&
+           got[2] == 41 && got[3] == 64 && got[4] == 0 &&
+           sp_tcache_owner_thread(adopted) == sp_thread_os_id() && st.spans_orphaned == 0,
+       "tidy walks at most 64 orphans a call, its pass going on past a class that stays and an "
+       "adopted orphan, and the next pass finds the ones emptied behind it (orphans returned: "
+       "%zu, %zu, %zu, %zu, %zu; %zu of %zu orphans left)",
+       got[0], got[1], got[2], got[3], got[4], st.spans_orphaned, orphans);
+    sp_tcache_free(adopted);
+    /* A trim in the middle of a pass walks every orphan and ends the pass: the orphan the walk
+     * would have gone on with may be gone. */
+    sp_thread_start(&t, alloc_orphans_and_exit, NULL, "sp-orphans");
+    sp_thread_join(t);
+    for (int i = 0; i < 99; i++) {
+        one[i] = orph.l[orph.fl[i]];
+        orph.l[orph.fl[i]] = NULL;
+    }
+    free_elsewhere(&ones);
+    size_t parked = sp_tcache_tidy();
+    bool in_pass = tc.orphan_pass;
+    free_elsewhere(&ls);
+    free_elsewhere(&hs);
+    size_t trimmed = sp_tcache_trim();
+    size_t after = sp_tcache_tidy();
+    sp_tcache_status_get(&st);
+    ok(parked == 0 && in_pass && trimmed >= 170 * SP_TCACHE_SPAN && after == 0 &&
+           !tc.orphan_pass && st.spans_orphaned == 0,
+       "a trim in the middle of a pass returns every empty orphan and ends the pass (%zu "
+       "bytes, then %zu)",
+       trimmed, after);
 }
 
 static sp_mutex attached_lock; /* held by main while the attached thread must stay */
@@ -648,7 +699,7 @@ static void test_leak_check(void) {
 }
 
 int main(void) {
-    plan(49);
+    plan(51);
     sp_tcache_desc desc = {.region_size = (size_t)1 << 30, .keep_detached = 2};
     ok(sp_tcache_init(&desc) == SP_OK, "init");
     test_classes();
