@@ -40,6 +40,7 @@
  *   status                                      any thread; exact only while no other thread
  *                                               allocates or frees (figures are read, not
  *                                               locked, from caches that are running)
+ *   heap_status                                 any thread; exact (under the heap locks)
  *
  * Fibers: the calling thread's cache is read afresh on every call through SP_TLS_FRESH (an
  * asm volatile read of the thread pointer with a memory clobber), never from an address a
@@ -93,9 +94,9 @@ typedef struct sp_tcache_desc {
                                empty spans beyond that go back to the central heap */
     bool explicit_attach;   /* threads get a cache of their own only from
                                sp_tcache_thread_attach; the others share the fallback cache
-                               under its lock, each told once (SP_LOG_WARN,
-                               SP_ERR_INVALID_ARG, naming its thread); the runtime sets it, so
-                               that no cache it does not know of outlives sp_shutdown */
+                               under its lock, each told once in its life (SP_LOG_WARN,
+                               SP_ERR_INVALID_ARG, naming it); the runtime sets it, so that no
+                               cache it does not know of outlives sp_shutdown */
 } sp_tcache_desc;
 
 typedef struct sp_tcache_status {
@@ -223,7 +224,7 @@ void sp_tcache_status_local(sp_tcache_status *out);
 void sp_tcache_status_get(sp_tcache_status *out);
 
 /* The two central heaps' figures alone (span_heap and large_heap of sp_tcache_status_get),
- * walking no cache: O(1), each heap's lock in turn. What the caches and large blocks hold from
+ * walking no cache: O(1), each heap's lock in turn. Any thread. What the caches and large blocks hold from
  * the central heap is spans->bytes_used + large->bytes_used (free blocks in the spans
  * included). Either pointer may be NULL. All zero before init. */
 void sp_tcache_heap_status(sp_tlsf_status *spans, sp_tlsf_status *large);

@@ -605,7 +605,8 @@ static cache *cache_get(bool *locked) {
         tls_fallback_told = true; /* once per thread: it works, only slower */
         sp_log(SP_LOG_WARN, SP_ERR_INVALID_ARG, "sp_tcache_alloc", NULL,
                "thread %llu is not attached: its allocations share the fallback cache under a "
-               "lock; attach it (sp_thread_attach) for a cache of its own",
+               "lock; attach it (sp_thread_attach, or sp_tcache_thread_attach without the "
+               "runtime) for a cache of its own",
                (unsigned long long)sp_thread_os_id());
     }
     sp_mutex_lock(&tc.fallback_lock);

@@ -43,7 +43,7 @@ typedef struct tcache_state {
     size_t retired_remote_frees, retired_collected;
     _Atomic size_t unattached_remote_frees, orphan_collected;
 
-    sp_mutex orphan_lock; /* orphans and spares */
+    sp_mutex orphan_lock;             /* orphans and spares */
     span *orphans[SP_TCACHE_CLASSES]; /* spans of detached caches with live blocks (linked
                                          both ways: tcache_orphan_unlink) */
     _Atomic size_t orphan_count[SP_TCACHE_CLASSES];
@@ -96,8 +96,8 @@ void heap_lock_all(bool lock);
 void tcache_cache_init(cache *c, uint64_t tid);
 void tcache_set_cur(cache *c, uint32_t k, span *s);
 void tcache_ring_remove(cache *c, span *s); /* c->lock held */
-span *tcache_spare_pop(uint32_t k);        /* a spare of class k, NULL if none; orphan lock held */
-void tcache_orphan_unlink(span *s);        /* off its orphan list; orphan lock held */
+span *tcache_spare_pop(uint32_t k);         /* a spare of class k, NULL if none; orphan lock held */
+void tcache_orphan_unlink(span *s);         /* off its orphan list; orphan lock held */
 void tcache_cache_drain(cache *c);
 size_t tcache_empty_release(cache *c);
 size_t tcache_span_emptied(cache *c, span *s); /* bytes returned: 0 if kept */

@@ -39,7 +39,7 @@ typedef struct span {
     uint32_t capacity; /* blocks the span holds */
     uint32_t pad_;
     struct span *next, *prev; /* ring (circular), orphan list (both ways), empty or spare
-                                 list (next only) */
+                                 list (next; prev not kept) */
     /* Remote frees, on a cache line of their own: a list word (sp_tcache.h) of the blocks and
      * their number, so one CAS pushes and one exchange takes list and count together (no walk
      * to count; a span holds fewer than 2^16 blocks). */

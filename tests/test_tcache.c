@@ -449,8 +449,7 @@ static void test_tidy(void) {
     heap_status(&tc.spans, &h1);
     sp_tcache_status_local(&st);
     ok(st0.live_blocks == (size_t)(n[2] + n[3]) && st.live_blocks == (size_t)n[3] &&
-           got == SP_TCACHE_SPAN && h1.live_blocks == h0.live_blocks - 1 &&
-           st.spans_empty == 2,
+           got == SP_TCACHE_SPAN && h1.live_blocks == h0.live_blocks - 1 && st.spans_empty == 2,
        "tidy takes the inboxes back; the span they emptied is returned past keep_empty (live "
        "%zu -> %zu, %zu bytes)",
        st0.live_blocks, st.live_blocks, got);
@@ -536,8 +535,7 @@ static void test_tidy_bounded(void) {
     for (int i = 0; i < na; i++) sp_tcache_free(a[i]);
     size_t got3 = sp_tcache_tidy();
     ok(left > 0 && got3 == 0 && ((cache *)sp_tcache_tls)->tidy_left == 0,
-       "... and past a ring that shrank under it (%u spans of it left to walk, none there)",
-       left);
+       "... and past a ring that shrank under it (%u spans of it left to walk, none there)", left);
     for (int i = fb[B_SPANS - 1]; i < nb; i++) sp_tcache_free(b[i]);
     sp_tcache_trim();
 }
@@ -556,6 +554,18 @@ static void *alloc_orphans_and_exit(void *arg) {
     return NULL; /* exits holding them: 170 orphans */
 }
 
+/* The 170 orphans made; the first block of each of the first 99 L spans moved to one[] (the
+ * 100th L span holds one block: it stays whole). */
+static void orphans_make(void **one) {
+    sp_thread t;
+    sp_thread_start(&t, alloc_orphans_and_exit, NULL, "sp-orphans");
+    sp_thread_join(t);
+    for (int i = 0; i < 99; i++) {
+        one[i] = orph.l[orph.fl[i]];
+        orph.l[orph.fl[i]] = NULL;
+    }
+}
+
 /* The orphans too: a tidy walks at most 64 a call, its pass going on where the last call
  * stopped, past a class whose orphans stay (they do not hold the walk), past an orphan
  * adopted meanwhile (the walk's next one); orphans emptied behind the walk come back in the
@@ -565,15 +575,9 @@ static void test_tidy_orphans_bounded(void) {
     sp_tcache_trim();
     sp_tcache_status st0, st;
     sp_tcache_status_get(&st0);
-    sp_thread t;
-    sp_thread_start(&t, alloc_orphans_and_exit, NULL, "sp-orphans");
-    sp_thread_join(t);
+    orphans_make(one);
     sp_tcache_status_get(&st);
     size_t orphans = st.spans_orphaned - st0.spans_orphaned;
-    for (int i = 0; i < 99; i++) { /* the 100th L span holds one block: it waits */
-        one[i] = orph.l[orph.fl[i]];
-        orph.l[orph.fl[i]] = NULL;
-    }
     blocks ones = {one, 99}, hs = {orph.h, orph.nh}, ls = {orph.l, orph.nl};
     free_elsewhere(&ones);
     free_elsewhere(&hs);
@@ -586,9 +590,9 @@ static void test_tidy_orphans_bounded(void) {
     got[3] = sp_tcache_tidy() / SP_TCACHE_SPAN; /* the next pass: the 64 L behind it */
     got[4] = sp_tcache_tidy() / SP_TCACHE_SPAN;
     sp_tcache_status_get(&st);
-    ok(st0.spans_orphaned == 0 && orphans == 170 && got[0] == 0 && got[1] == 64 &&
-           got[2] == 41 && got[3] == 64 && got[4] == 0 &&
-           sp_tcache_owner_thread(adopted) == sp_thread_os_id() && st.spans_orphaned == 0,
+    ok(st0.spans_orphaned == 0 && orphans == 170 && got[0] == 0 && got[1] == 64 && got[2] == 41 &&
+           got[3] == 64 && got[4] == 0 && sp_tcache_owner_thread(adopted) == sp_thread_os_id() &&
+           st.spans_orphaned == 0,
        "tidy walks at most 64 orphans a call, its pass going on past a class that stays and an "
        "adopted orphan, and the next pass finds the ones emptied behind it (orphans returned: "
        "%zu, %zu, %zu, %zu, %zu; %zu of %zu orphans left)",
@@ -596,12 +600,9 @@ static void test_tidy_orphans_bounded(void) {
     sp_tcache_free(adopted);
     /* A trim in the middle of a pass walks every orphan and ends the pass: the orphan the walk
      * would have gone on with may be gone. */
-    sp_thread_start(&t, alloc_orphans_and_exit, NULL, "sp-orphans");
-    sp_thread_join(t);
-    for (int i = 0; i < 99; i++) {
-        one[i] = orph.l[orph.fl[i]];
-        orph.l[orph.fl[i]] = NULL;
-    }
+    orphans_make(one);
+    hs = (blocks){orph.h, orph.nh};
+    ls = (blocks){orph.l, orph.nl};
     free_elsewhere(&ones);
     size_t parked = sp_tcache_tidy();
     bool in_pass = tc.orphan_pass;
@@ -610,8 +611,8 @@ static void test_tidy_orphans_bounded(void) {
     size_t trimmed = sp_tcache_trim();
     size_t after = sp_tcache_tidy();
     sp_tcache_status_get(&st);
-    ok(parked == 0 && in_pass && trimmed >= 170 * SP_TCACHE_SPAN && after == 0 &&
-           !tc.orphan_pass && st.spans_orphaned == 0,
+    ok(parked == 0 && in_pass && trimmed >= 170 * SP_TCACHE_SPAN && after == 0 && !tc.orphan_pass &&
+           st.spans_orphaned == 0,
        "a trim in the middle of a pass returns every empty orphan and ends the pass (%zu "
        "bytes, then %zu)",
        trimmed, after);
@@ -663,13 +664,11 @@ static void test_heap_status(void) {
     sp_tcache_heap_status(NULL, &l1);
     sp_tcache_status st;
     sp_tcache_status_get(&st);
-    ok(l1.bytes_used >= l0.bytes_used + ((size_t)1 << 20) &&
-           l1.live_blocks == l0.live_blocks + 1 &&
+    ok(l1.bytes_used >= l0.bytes_used + ((size_t)1 << 20) && l1.live_blocks == l0.live_blocks + 1 &&
            s1.live_blocks >= s0.live_blocks + 2 && s1.bytes_used > s0.bytes_used &&
            l1.bytes_used == st.large_heap.bytes_used &&
            l1.live_blocks == st.large_heap.live_blocks &&
-           s1.bytes_used == st.span_heap.bytes_used &&
-           s1.high_water == st.span_heap.high_water,
+           s1.bytes_used == st.span_heap.bytes_used && s1.high_water == st.span_heap.high_water,
        "heap_status: a large block and new spans show, as in status_get (large %zu -> %zu, "
        "spans %zu -> %zu)",
        l0.bytes_used, l1.bytes_used, s0.live_blocks, s1.live_blocks);
