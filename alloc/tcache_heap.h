@@ -76,6 +76,11 @@ typedef struct tcache_state {
 extern tcache_state tc;
 extern span tcache_sentinel;
 
+/* Ring spans one sp_tcache_tidy looks at, at most, and orphans: a tidy runs every frame, and
+ * a walk of every ring (or orphan list) was a cache miss per span (spans lie 256 KiB apart):
+ * its cost grew with the live heap. Longer lists are walked over several tidies. */
+enum { TCACHE_TIDY_SPANS = 64 };
+
 uint32_t tcache_class_size(uint32_t k);
 uint32_t tcache_class_of(size_t n);
 bool tcache_init_default(void);

@@ -113,11 +113,6 @@ void sp_tcache_heap_status(sp_tlsf_status *spans, sp_tlsf_status *large) {
 
 /* ---- tidy and trim ------------------------------------------------------------------------ */
 
-/* Ring spans one sp_tcache_tidy looks at, at most, and orphans: a tidy runs every frame, and
- * a walk of every ring (or orphan list) was a cache miss per span (spans lie 256 KiB apart):
- * its cost grew with the live heap. Longer lists are walked over several tidies. */
-enum { TIDY_SPANS = 64 };
-
 /* Take span s's inbox back (c its owner, or c's lock holder); if that left it empty, it goes
  * the way of a span its owner emptied (tcache_span_emptied: kept while c keeps fewer than
  * keep_empty). Returns the bytes returned. */
@@ -158,7 +153,7 @@ static size_t cache_sweep_all(cache *c) {
     return bytes + tcache_empty_release(c);
 }
 
-/* Tidy: take back the inboxes of c's current spans and of up to TIDY_SPANS ring spans,
+/* Tidy: take back the inboxes of c's current spans and of up to TCACHE_TIDY_SPANS ring spans,
  * going on where the last tidy stopped: in class tidy_class, tidy_left spans of its ring
  * still to walk, from its head (a ring walked in part is rotated past what was walked, as
  * ring_scan rotates it). A class is done once its ring's length was walked, so a ring longer
@@ -169,7 +164,7 @@ static size_t cache_sweep_some(cache *c) {
         span *cur = (span *)c->pub.cur[k];
         if (cur != &tcache_sentinel) span_collect(cur, c);
     }
-    uint32_t budget = TIDY_SPANS, k = c->tidy_class;
+    uint32_t budget = TCACHE_TIDY_SPANS, k = c->tidy_class;
     for (uint32_t i = 0; i < SP_TCACHE_CLASSES && budget > 0; i++) {
         uint32_t left = c->tidy_left ? c->tidy_left : c->ring_len[k];
         if (left > c->ring_len[k]) left = c->ring_len[k]; /* the ring shrank meanwhile */
@@ -215,7 +210,7 @@ static size_t orphans_walk_all(void) {
     return bytes;
 }
 
-/* Tidy: a pass over the orphans goes on for up to TIDY_SPANS of them (orphan lock held);
+/* Tidy: a pass over the orphans goes on for up to TCACHE_TIDY_SPANS of them (orphan lock held);
  * starts one when frees reached orphans since the last (frees: orphan_frees now). */
 static size_t orphans_walk_some(size_t frees) {
     if (!tc.orphan_pass) {
@@ -226,7 +221,7 @@ static size_t orphans_walk_some(size_t frees) {
         tc.orphan_walk_at = tc.orphans[0];
     }
     size_t bytes = 0;
-    for (uint32_t budget = TIDY_SPANS; budget > 0;) {
+    for (uint32_t budget = TCACHE_TIDY_SPANS; budget > 0;) {
         span *s = tc.orphan_walk_at;
         if (!s) { /* that class is done */
             if (++tc.orphan_walk_class == SP_TCACHE_CLASSES) {
@@ -247,8 +242,8 @@ static size_t orphans_walk_some(size_t frees) {
 
 /* sp_tcache_tidy (all false) and sp_tcache_trim (all true): the caller's cache swept, and
  * (trim) the fallback cache's; the orphans walked when frees reached them since the last walk
- * (tidy: TIDY_SPANS of them a call, going on with its pass; trim: all of them, always); (trim)
- * the spares returned. */
+ * (tidy: TCACHE_TIDY_SPANS of them a call, going on with its pass; trim: all of them, always);
+ * (trim) the spares returned. */
 static size_t give_back(bool all) {
     if (!atomic_load_explicit(&tc.ready, memory_order_acquire)) return 0;
     track_enter();

@@ -498,6 +498,8 @@ static void test_tidy(void) {
  * (B) and 99 of 16,000-byte blocks (A, a later class), one block of each A span freed on
  * another thread. The first tidy walks B's 3 and 61 of A; B's ring is then emptied elsewhere;
  * the second walks A's other 38 and goes on to B. */
+_Static_assert(TCACHE_TIDY_SPANS == 64, "the tidy tests' counts assume a walk of 64 spans a call");
+
 static void test_tidy_bounded(void) {
     enum { A_SPANS = 100, B_SPANS = 4, MAX_A = A_SPANS * 20, MAX_B = B_SPANS * 300 };
     static void *a[MAX_A], *b[MAX_B], *one[A_SPANS];
