@@ -167,10 +167,10 @@ size_t sp_tcache_trim(void);
  * were freed into orphaned spans since the orphans were last walked (by any thread's tidy or
  * trim), the orphans are walked and those left empty returned too. Returns the bytes returned
  * to the central heap. Any thread. Cost: bounded whatever the heap holds - the inbox of each
- * class's current span, and of at most 64 of the other spans, going on where the last call
+ * class's current span, and of at most 16 of the other spans, going on where the last call
  * stopped (a cache holding more is walked over several calls: a span remote frees emptied
  * may wait that many calls to be returned); the cache's lock per span emptied, the heap lock
- * per span returned; only when orphans were freed into, the orphan lock and at most 64
+ * per span returned; only when orphans were freed into, the orphan lock and at most 16
  * orphans a call (a pass over all of them takes as many calls as it needs, and an orphan
  * emptied behind it waits for the next pass). */
 size_t sp_tcache_tidy(void);

@@ -77,9 +77,11 @@ extern tcache_state tc;
 extern span tcache_sentinel;
 
 /* Ring spans one sp_tcache_tidy looks at, at most, and orphans: a tidy runs every frame, and
- * a walk of every ring (or orphan list) was a cache miss per span (spans lie 256 KiB apart):
- * its cost grew with the live heap. Longer lists are walked over several tidies. */
-enum { TCACHE_TIDY_SPANS = 64 };
+ * a walk of every ring (or orphan list) was a cache and TLB miss per span (spans lie 256 KiB
+ * apart): its cost grew with the live heap. Longer lists are walked over several tidies; the
+ * budget bounds what a frame pays for that (16 keeps it to a few microseconds when every span
+ * misses; a larger one returns emptied spans sooner, for proportionally more). */
+enum { TCACHE_TIDY_SPANS = 16 };
 
 uint32_t tcache_class_size(uint32_t k);
 uint32_t tcache_class_of(size_t n);

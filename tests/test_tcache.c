@@ -493,15 +493,18 @@ static void test_tidy(void) {
     sp_tcache_trim();
 }
 
-/* A tidy walks a bounded number of ring spans (64), going on where the last stopped, and a
- * ring longer than that does not hold the walk: a new cache with 3 ring spans of 1 KiB blocks
- * (B) and 99 of 16,000-byte blocks (A, a later class), one block of each A span freed on
- * another thread. The first tidy walks B's 3 and 61 of A; B's ring is then emptied elsewhere;
- * the second walks A's other 38 and goes on to B. */
-_Static_assert(TCACHE_TIDY_SPANS == 64, "the tidy tests' counts assume a walk of 64 spans a call");
+/* The walk's budget, T spans a call (TCACHE_TIDY_SPANS); the counts below follow from it. */
+enum { T = TCACHE_TIDY_SPANS };
+_Static_assert(T >= 12 && T % 4 == 0, "the tidy tests' shapes need a budget of 12 or more");
 
+/* A tidy walks at most T ring spans, going on where the last stopped, and a ring longer than
+ * that does not hold the walk: a new cache with 3 ring spans of 1 KiB blocks (B) and 3T/2 of
+ * 16,000-byte blocks (A, a later class), one block of each A span freed on another thread.
+ * The first tidy walks B's 3 and T - 3 of A; B's ring is then emptied elsewhere; the second
+ * walks the rest of A and goes on to B. */
 static void test_tidy_bounded(void) {
-    enum { A_SPANS = 100, B_SPANS = 4, MAX_A = A_SPANS * 20, MAX_B = B_SPANS * 300 };
+    enum { A_RING = T + T / 2, A_SPANS = A_RING + 1, B_SPANS = 4 };
+    enum { MAX_A = A_SPANS * 20, MAX_B = B_SPANS * 300 };
     static void *a[MAX_A], *b[MAX_B], *one[A_SPANS];
     sp_tcache_thread_detach();
     sp_tcache_trim();
@@ -509,11 +512,11 @@ static void test_tidy_bounded(void) {
     int fa[A_SPANS + 1], fb[B_SPANS + 1];
     int nb = ts_fill_spans(1024, b, MAX_B, B_SPANS, fb);
     int na = ts_fill_spans(16000, a, MAX_A, A_SPANS, fa);
-    for (int i = 0; i < A_SPANS - 1; i++) {
+    for (int i = 0; i < A_RING; i++) {
         one[i] = a[fa[i]];
         a[fa[i]] = NULL; /* freed below, on another thread */
     }
-    blocks ones = {one, A_SPANS - 1};
+    blocks ones = {one, A_RING};
     free_elsewhere(&ones);
     sp_tcache_status s0, s1, s2;
     sp_tcache_status_local(&s0);
@@ -525,13 +528,14 @@ static void test_tidy_bounded(void) {
     sp_tcache_status_local(&s2);
     size_t c1 = s1.remote_collected - s0.remote_collected;
     size_t c2 = s2.remote_collected - s1.remote_collected;
-    ok(got1 == 0 && c1 == 61 && c2 == 38 + (size_t)fb[B_SPANS - 1] &&
+    size_t want2 = A_RING - (T - 3) + (size_t)fb[B_SPANS - 1];
+    ok(got1 == 0 && c1 == T - 3 && c2 == want2 &&
            got2 == (B_SPANS - 1 - tc.keep_empty) * SP_TCACHE_SPAN,
-       "tidy walks 64 ring spans a call, goes on where it stopped and past a long ring "
-       "(blocks taken back: %zu, then %zu of %zu; spans returned: %zu, then %zu)",
-       c1, c2, 38 + (size_t)fb[B_SPANS - 1], got1 / SP_TCACHE_SPAN, got2 / SP_TCACHE_SPAN);
+       "tidy walks %d ring spans a call, goes on where it stopped and past a long ring (blocks "
+       "taken back: %zu of %d, then %zu of %zu; spans returned: %zu, then %zu)",
+       T, c1, T - 3, c2, want2, got1 / SP_TCACHE_SPAN, got2 / SP_TCACHE_SPAN);
     /* The walk parked in A's ring, which then shrinks to nothing (its owner frees every
-     * block): the next tidy walks what is left of it, not the 35 spans it expected. */
+     * block): the next tidy walks what is left of it, not the spans it expected. */
     for (int i = 0; i < 10 && ((cache *)sp_tcache_tls)->tidy_left == 0; i++) sp_tcache_tidy();
     uint32_t left = ((cache *)sp_tcache_tls)->tidy_left;
     for (int i = 0; i < na; i++) sp_tcache_free(a[i]);
@@ -542,63 +546,68 @@ static void test_tidy_bounded(void) {
     sp_tcache_trim();
 }
 
-/* The blocks of test_tidy_orphans_bounded's exiting thread: 100 spans of 8,000-byte blocks
- * (class L), then 70 of 16,000-byte blocks (class H, a later one). */
+/* The blocks of test_tidy_orphans_bounded's exiting thread: L_SPANS spans of 8,000-byte blocks
+ * (class L), then H_SPANS of 16,000-byte blocks (class H, a later one). */
+enum { L_SPANS = T + T / 2, H_SPANS = T + T / 4 };
 static struct {
-    void *l[100 * 40], *h[70 * 20];
-    int fl[101], fh[71], nl, nh;
+    void *l[L_SPANS * 40], *h[H_SPANS * 20];
+    int fl[L_SPANS + 1], fh[H_SPANS + 1], nl, nh;
 } orph;
 
 static void *alloc_orphans_and_exit(void *arg) {
     (void)arg;
-    orph.nl = ts_fill_spans(8000, orph.l, 100 * 40, 100, orph.fl);
-    orph.nh = ts_fill_spans(16000, orph.h, 70 * 20, 70, orph.fh);
-    return NULL; /* exits holding them: 170 orphans */
+    orph.nl = ts_fill_spans(8000, orph.l, L_SPANS * 40, L_SPANS, orph.fl);
+    orph.nh = ts_fill_spans(16000, orph.h, H_SPANS * 20, H_SPANS, orph.fh);
+    return NULL; /* exits holding them: all orphans */
 }
 
-/* The 170 orphans made; the first block of each of the first 99 L spans moved to one[] (the
- * 100th L span holds one block: it stays whole). */
+/* The orphans made; the first block of each L span but the last moved to one[] (the last L
+ * span holds one block: it stays whole). */
 static void orphans_make(void **one) {
     sp_thread t;
     sp_thread_start(&t, alloc_orphans_and_exit, NULL, "sp-orphans");
     sp_thread_join(t);
-    for (int i = 0; i < 99; i++) {
+    for (int i = 0; i < L_SPANS - 1; i++) {
         one[i] = orph.l[orph.fl[i]];
         orph.l[orph.fl[i]] = NULL;
     }
 }
 
-/* The orphans too: a tidy walks at most 64 a call, its pass going on where the last call
+/* The orphans too: a tidy walks at most T a call, its pass going on where the last call
  * stopped, past a class whose orphans stay (they do not hold the walk), past an orphan
  * adopted meanwhile (the walk's next one); orphans emptied behind the walk come back in the
- * next pass. 100 L orphans with one block freed each, 70 H orphans emptied: */
+ * next pass. 3T/2 L orphans with one block freed each, 5T/4 H orphans emptied: */
 static void test_tidy_orphans_bounded(void) {
-    static void *one[100];
+    static void *one[L_SPANS];
     sp_tcache_trim();
     sp_tcache_status st0, st;
     sp_tcache_status_get(&st0);
     orphans_make(one);
     sp_tcache_status_get(&st);
     size_t orphans = st.spans_orphaned - st0.spans_orphaned;
-    blocks ones = {one, 99}, hs = {orph.h, orph.nh}, ls = {orph.l, orph.nl};
+    blocks ones = {one, L_SPANS - 1}, hs = {orph.h, orph.nh}, ls = {orph.l, orph.nl};
     free_elsewhere(&ones);
     free_elsewhere(&hs);
+    /* Spans returned per call: T of L, none empty; every L orphan then emptied (T of them
+     * behind the walk); the rest of L and T/2 of H; H's next one adopted; the rest of H, the
+     * pass ends; the next pass finds the T behind it; nothing. */
+    const size_t want[5] = {0, T, H_SPANS - T / 2 - 1, T, 0};
     size_t got[5];
-    got[0] = sp_tcache_tidy() / SP_TCACHE_SPAN; /* 64 L: none empty */
-    free_elsewhere(&ls); /* every L orphan empty now (NULLs: freed above), 64 behind the walk */
-    got[1] = sp_tcache_tidy() / SP_TCACHE_SPAN; /* 36 L, 28 H */
-    void *adopted = sp_tcache_alloc(16000);     /* H's first orphan: the walk's next one */
-    got[2] = sp_tcache_tidy() / SP_TCACHE_SPAN; /* the other 41 H; the pass ends */
-    got[3] = sp_tcache_tidy() / SP_TCACHE_SPAN; /* the next pass: the 64 L behind it */
-    got[4] = sp_tcache_tidy() / SP_TCACHE_SPAN;
+    got[0] = sp_tcache_tidy() / SP_TCACHE_SPAN;
+    free_elsewhere(&ls); /* NULLs: freed above */
+    got[1] = sp_tcache_tidy() / SP_TCACHE_SPAN;
+    void *adopted = sp_tcache_alloc(16000);
+    for (int i = 2; i < 5; i++) got[i] = sp_tcache_tidy() / SP_TCACHE_SPAN;
     sp_tcache_status_get(&st);
-    ok(st0.spans_orphaned == 0 && orphans == 170 && got[0] == 0 && got[1] == 64 && got[2] == 41 &&
-           got[3] == 64 && got[4] == 0 && sp_tcache_owner_thread(adopted) == sp_thread_os_id() &&
-           st.spans_orphaned == 0,
-       "tidy walks at most 64 orphans a call, its pass going on past a class that stays and an "
+    bool as_planned = true;
+    for (int i = 0; i < 5; i++) as_planned = as_planned && got[i] == want[i];
+    ok(st0.spans_orphaned == 0 && orphans == L_SPANS + H_SPANS && as_planned &&
+           sp_tcache_owner_thread(adopted) == sp_thread_os_id() && st.spans_orphaned == 0,
+       "tidy walks at most %d orphans a call, its pass going on past a class that stays and an "
        "adopted orphan, and the next pass finds the ones emptied behind it (orphans returned: "
-       "%zu, %zu, %zu, %zu, %zu; %zu of %zu orphans left)",
-       got[0], got[1], got[2], got[3], got[4], st.spans_orphaned, orphans);
+       "%zu, %zu, %zu, %zu, %zu of %zu, %zu, %zu, %zu, %zu; %zu of %zu orphans left)",
+       T, got[0], got[1], got[2], got[3], got[4], want[0], want[1], want[2], want[3], want[4],
+       st.spans_orphaned, orphans);
     sp_tcache_free(adopted);
     /* A trim in the middle of a pass walks every orphan and ends the pass: the orphan the walk
      * would have gone on with may be gone. */
@@ -613,8 +622,8 @@ static void test_tidy_orphans_bounded(void) {
     size_t trimmed = sp_tcache_trim();
     size_t after = sp_tcache_tidy();
     sp_tcache_status_get(&st);
-    ok(parked == 0 && in_pass && trimmed >= 170 * SP_TCACHE_SPAN && after == 0 && !tc.orphan_pass &&
-           st.spans_orphaned == 0,
+    ok(parked == 0 && in_pass && trimmed >= (L_SPANS + H_SPANS) * SP_TCACHE_SPAN && after == 0 &&
+           !tc.orphan_pass && st.spans_orphaned == 0,
        "a trim in the middle of a pass returns every empty orphan and ends the pass (%zu "
        "bytes, then %zu)",
        trimmed, after);
