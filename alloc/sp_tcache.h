@@ -79,16 +79,18 @@ extern "C" {
 #define SP_TCACHE_COLOUR_SHIFT 8 /* span headers sit at one of 16 offsets, 256 bytes apart */
 #define SP_TCACHE_COLOURS 16
 #define SP_TCACHE_MAX_CLASS_LIMIT ((size_t)64 * 1024)
+#define SP_TCACHE_MIN_REGION ((size_t)64 << 20) /* the least region sp_tcache_init takes */
+#define SP_TCACHE_MAX_ALIGN ((size_t)1 << 30)   /* the largest alignment aligned_alloc serves */
 #define SP_TCACHE_CLASSES 80      /* 16..128 by 16 (8), then 8 per doubling up to 64 KiB (72) */
 #define SP_TCACHE_LOOKUP_MAX 1024 /* sizes up to this use the inline class table */
 
 typedef struct sp_tcache_desc {
-    void *region;        /* address space reserved by the caller (sp_vm_reserve, PROT_NONE),
-                            committed as the heaps grow; NULL: reserve our own */
-    size_t region_size;  /* bytes of region (0: 64 GiB when we reserve; at least 64 MiB) */
-    size_t max_class;    /* largest size served by classes (0: 32 KiB; at most 64 KiB;
-                            rounded up to a class size) */
-    uint32_t keep_empty; /* empty spans a cache keeps for reuse (0: 2) */
+    void *region;           /* address space reserved by the caller (sp_vm_reserve, PROT_NONE),
+                               committed as the heaps grow; NULL: reserve our own */
+    size_t region_size;     /* bytes of region (0: 64 GiB when we reserve; at least 64 MiB) */
+    size_t max_class;       /* largest size served by classes (0: 32 KiB; at most 64 KiB;
+                               rounded up to a class size) */
+    uint32_t keep_empty;    /* empty spans a cache keeps for reuse (0: 2) */
     uint32_t keep_detached; /* spares per class: empty spans of detached caches kept, still
                                cut into blocks, for other caches (0: 8); a detaching cache's
                                empty spans beyond that go back to the central heap */
@@ -224,8 +226,8 @@ void sp_tcache_status_local(sp_tcache_status *out);
 void sp_tcache_status_get(sp_tcache_status *out);
 
 /* The two central heaps' figures alone (span_heap and large_heap of sp_tcache_status_get),
- * walking no cache: O(1), each heap's lock in turn. Any thread. What the caches and large blocks hold from
- * the central heap is spans->bytes_used + large->bytes_used (free blocks in the spans
+ * walking no cache: O(1), each heap's lock in turn. Any thread. What the caches and large blocks
+ * hold from the central heap is spans->bytes_used + large->bytes_used (free blocks in the spans
  * included). Either pointer may be NULL. All zero before init. */
 void sp_tcache_heap_status(sp_tlsf_status *spans, sp_tlsf_status *large);
 

@@ -658,7 +658,7 @@ void *sp_tcache_calloc(size_t n, size_t size) {
 }
 
 void *sp_tcache_aligned_alloc(size_t align, size_t size) {
-    if (!sp_is_pow2(align) || align > ((size_t)1 << 30)) {
+    if (!sp_is_pow2(align) || align > SP_TCACHE_MAX_ALIGN) {
         sp_misuse(SP_ERR_BAD_ALIGNMENT, "sp_tcache_aligned_alloc", (void *)align,
                   "alignment %zu is not a power of two up to 1 GiB", align);
         return NULL;
@@ -721,7 +721,7 @@ TRACK_INTERNAL static void block_free_remote(cache *c, span *s, sp_tcache_block 
      * a cache record, written atomically: at worst one needless orphan walk). */
     if (!__atomic_load_n(&s->pub.owner, __ATOMIC_SEQ_CST))
         atomic_fetch_add_explicit(&tc.orphan_frees, 1, memory_order_release);
-    if (c && c != &unattached)
+    if (c)
         __atomic_store_n(&c->remote_frees, c->remote_frees + 1, __ATOMIC_RELAXED);
     else
         atomic_fetch_add_explicit(&tc.unattached_remote_frees, 1, memory_order_relaxed);
@@ -902,12 +902,11 @@ static sp_result init_locked(const sp_tcache_desc *desc) {
                          d.max_class, SP_TCACHE_MAX_CLASS_LIMIT);
     if (d.keep_empty == 0) d.keep_empty = 2;
     if (d.keep_detached == 0) d.keep_detached = 8;
-    size_t min_region = (size_t)64 << 20;
-    if (d.region && d.region_size < min_region)
+    if (d.region && d.region_size < SP_TCACHE_MIN_REGION)
         return sp_misuse(SP_ERR_INVALID_ARG, "sp_tcache_init", d.region,
                          "region of %zu bytes is below 64 MiB", d.region_size);
     if (!d.region && d.region_size == 0) d.region_size = (size_t)64 << 30;
-    if (d.region_size < min_region) d.region_size = min_region;
+    if (d.region_size < SP_TCACHE_MIN_REGION) d.region_size = SP_TCACHE_MIN_REGION;
     d.region_size &= ~(SP_TCACHE_SPAN * 2 - 1);
     void *region = d.region;
     if (!region) {

@@ -2,8 +2,6 @@
  * between-frames works, and the per-frame statistics record. */
 #include "runtime_internal.h"
 
-#include "jobs_internal.h"
-
 #include <string.h>
 
 sp_counter *sp_frame_counter(void) {
@@ -26,10 +24,6 @@ bool rt_may_compact(void *user) {
     (void)user;
     /* The main thread first: a call from another thread never gets through the gate. */
     return rt_main && (sp_rt.compact_gate || may_compact_now());
-}
-
-void rt_frame_counter_keep(bool keep) {
-    jobs_counter_keep(sp_rt.frame_counter, keep);
 }
 
 /* The frame counter counts the frame's jobs down to 0; below it, something lowered it by hand

@@ -1,6 +1,7 @@
 /* The runtime's life: sp_init starts the subsystems in a fixed order over one reservation,
  * sp_shutdown stops them in reverse; regions, the persistent region, thread attach/detach,
  * and the QSBR plumbing (worker hooks, sp_retire, the reclaimer thread). */
+#include "jobs_internal.h"
 #include "runtime_internal.h"
 
 #include <stdlib.h>
@@ -29,7 +30,7 @@ static _Thread_local bool tls_attached;
 _Thread_local bool rt_main;
 static _Thread_local bool tls_offline; /* an attached thread between sp_thread_offline/_online */
 static _Thread_local uint64_t tls_tidy_epoch; /* the last frame end this thread tidied after */
-static _Thread_local bool tls_own_cache;     /* a runtime thread with a cache of its own */
+static _Thread_local bool tls_own_cache;      /* a runtime thread with a cache of its own */
 
 #define MiB ((size_t)1 << 20)
 #define GiB ((size_t)1 << 30)
@@ -255,7 +256,7 @@ static sp_result desc_fill(const sp_desc *in, sp_desc *d) {
     if (d->heap_size > max || d->frame_size > max || d->handle_size > max ||
         d->persistent_size > max)
         return sp_misuse(SP_ERR_OVERFLOW, "sp_init", in, "a region size is above 64 TiB");
-    if (d->heap_size && d->heap_size < 64 * MiB)
+    if (d->heap_size && d->heap_size < SP_TCACHE_MIN_REGION)
         return sp_misuse(SP_ERR_INVALID_ARG, "sp_init", in,
                          "heap_size %zu is below 64 MiB (the thread caches' least)", d->heap_size);
     uint64_t mem = sp_memory_size();
@@ -330,7 +331,7 @@ static void caches_stop(void) {
 
 static void *arena_heap_alloc(void *user, size_t align, size_t size) {
     (void)user;
-    if (align > ((size_t)1 << 30)) return NULL; /* above the caches' 1 GiB: an overflow */
+    if (align > SP_TCACHE_MAX_ALIGN) return NULL; /* above the caches' limit: an overflow */
     return sp_tcache_aligned_alloc(align, size);
 }
 static void arena_heap_free(void *user, void *p) {
@@ -402,7 +403,7 @@ static sp_result jobs_start(void) {
     if (r == SP_OK) {
         sp_rt.frame_counter = sp_counter_create(sp_rt.jobs, "frame");
         if (sp_rt.frame_counter) {
-            rt_frame_counter_keep(true); /* sp_counter_destroy refuses it */
+            jobs_counter_keep(sp_rt.frame_counter, true); /* sp_counter_destroy refuses it */
             /* The reclaimer and the workers attach as they start: wait for them all (and
              * the main thread, which attached in caches_start). */
             sp_jobs_status js;
@@ -421,7 +422,7 @@ static sp_result jobs_start(void) {
 static void jobs_stop(void) {
     if (sp_rt.jobs) {
         sp_jobs_shutdown(sp_rt.jobs); /* SP_ERR_SHUTDOWN when sp_shutdown did it already */
-        rt_frame_counter_keep(false);
+        jobs_counter_keep(sp_rt.frame_counter, false);
         sp_counter_destroy(sp_rt.frame_counter);
         sp_rt.frame_counter = NULL;
         sp_jobs_destroy(sp_rt.jobs);

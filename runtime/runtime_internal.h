@@ -97,8 +97,6 @@ SP_HIDDEN sp_result rt_main_only(const char *call);
 /* rt_main_only, and SP_ERR_INVALID_ARG (logged) from inside sp_frame_end's between-frames step
  * (a work or a relocation callback): sp_frame_begin, sp_frame_end and sp_shutdown. */
 SP_HIDDEN sp_result rt_frame_loop_only(const char *call);
-/* Mark the frame counter the runtime's (sp_counter_destroy refuses it), or hand it back. */
-SP_HIDDEN void rt_frame_counter_keep(bool keep);
 /* Whether the runtime is up (any thread: `up` changes only in sp_init / sp_shutdown). */
 static inline bool rt_up(void) {
     return __atomic_load_n(&sp_rt.up, __ATOMIC_ACQUIRE);
