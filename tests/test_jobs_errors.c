@@ -543,9 +543,7 @@ static void test_limit(const jt_config *c) {
     sp_counter_destroy(g2);
     sp_counter_destroy(gate);
     sp_counter_destroy(ctr);
-    sp_jobs_shutdown(S);
-    sp_jobs_destroy(S);
-    S = NULL;
+    scheduler_end();
 }
 
 /* ---- shutdown with work that can never run --------------------------------------------- */
@@ -608,12 +606,7 @@ static void nc_fn(void *arg) {
 }
 
 static void test_no_counter_waits(const jt_config *c) {
-    CFG = c;
-    sp_jobs_desc desc = desc_for(c);
-    if (sp_jobs_create(&S, &desc) != SP_OK) {
-        ok(0, "%s: create", cfg());
-        return;
-    }
+    if (!scheduler_begin(c)) return;
     atomic_store(&nc_done, 0);
     nc_gate = counter("no-counter gate");
     sp_counter_add(nc_gate, 1);

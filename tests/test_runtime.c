@@ -779,12 +779,8 @@ static void *direct_attach_thread(void *arg) {
 /* A thread that never attached frees a block of another thread's cache: a lock-free push onto
  * the span's inbox, not a call through the fallback cache (whose lock is held here
  * meanwhile). */
-static atomic_int stray_freed;
-
-static void *stray_free(void *p) {
+static void stray_free(void *p) {
     sp_tcache_free(p);
-    atomic_store(&stray_freed, 1);
-    return NULL;
 }
 
 static void test_stray_free_lock_free(void) {
@@ -793,16 +789,7 @@ static void test_stray_free_lock_free(void) {
     void *blk = sp_tcache_alloc(100); /* the main thread's cache */
     sp_tcache_status st0, st;
     sp_tcache_status_get(&st0);
-    atomic_store(&stray_freed, 0);
-    sp_mutex_lock(&tc.fallback_lock);
-    pthread_t t;
-    pthread_create(&t, NULL, stray_free, blk);
-    for (uint64_t t0 = sp_time_ns();
-         !atomic_load(&stray_freed) && sp_time_ns() - t0 < 10000000000u;)
-        sp_thread_yield();
-    bool quick = atomic_load(&stray_freed);
-    sp_mutex_unlock(&tc.fallback_lock);
-    pthread_join(t, NULL);
+    bool quick = ts_done_while_held(&tc.fallback_lock, stray_free, blk);
     sp_tcache_status_get(&st);
     ok(blk && quick && st.remote_frees >= st0.remote_frees + 1,
        "an unattached thread's free into another cache's span takes no fallback lock (%s; "
@@ -977,11 +964,8 @@ static void test_exit_attached(void) {
     ok(r[0] == SP_OK && logged == 1 && named && st.attached_threads == 0,
        "a thread that ends attached: detached at its exit, reported under sp_thread_detach");
     int before = atomic_load(&freed);
-    for (int f = 0; f < 1000 && atomic_load(&freed) == before; f++) {
-        retire_one();
-        nanosleep(&(struct timespec){.tv_nsec = 1000000}, NULL);
-    }
-    ok(atomic_load(&freed) > before, "reclamation does not wait for it");
+    retire_one();
+    ok(frames_until_freed(before + 1, 5000000000u) > before, "reclamation does not wait for it");
     is_int(sp_shutdown(), SP_OK, "shutdown");
 }
 

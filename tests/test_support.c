@@ -55,11 +55,40 @@ void ts_log_release(void) {
     sp_misuse_set_fatal(SP_DEBUG >= 1);
 }
 
+/* ---- a call against a held lock ---------------------------------------------------------- */
+
+typedef struct held_call {
+    void (*fn)(void *);
+    void *arg;
+    atomic_int done;
+} held_call;
+
+static void *held_call_run(void *p) {
+    held_call *h = p;
+    h->fn(h->arg);
+    atomic_store(&h->done, 1);
+    return NULL;
+}
+
+bool ts_done_while_held(sp_mutex *lock, void (*fn)(void *), void *arg) {
+    held_call h = {.fn = fn, .arg = arg};
+    sp_mutex_lock(lock);
+    sp_thread t;
+    if (sp_thread_start(&t, held_call_run, &h, "ts-held") != SP_OK) {
+        sp_mutex_unlock(lock);
+        return false;
+    }
+    for (uint64_t t0 = sp_time_ns(); !atomic_load(&h.done) && sp_time_ns() - t0 < 10000000000u;)
+        sp_thread_yield();
+    bool done = atomic_load(&h.done);
+    sp_mutex_unlock(lock);
+    sp_thread_join(t);
+    return done;
+}
+
 /* ---- death tests ----------------------------------------------------------------------- */
 
-/* Read everything from fd into a NUL-terminated buffer of `cap` bytes; the excess is drained
- * and dropped so the child never blocks on a full pipe. */
-static void pipe_drain(int fd, char *buf, size_t cap) {
+void ts_pipe_drain(int fd, char *buf, size_t cap) {
     size_t len = 0;
     char sink[4096];
     for (;;) {
@@ -113,7 +142,7 @@ bool ts_dies(void (*fn)(void *), void *arg, const char *needle1, const char *nee
     }
     close(fds[1]);
     static char text[16384];
-    pipe_drain(fds[0], text, sizeof text);
+    ts_pipe_drain(fds[0], text, sizeof text);
     close(fds[0]);
     int status = 0;
     while (waitpid(pid, &status, 0) < 0) {
@@ -298,9 +327,9 @@ int ts_migration_rounds(sp_jobs *s, void (*waiter)(void *), int min_rounds, int 
     int rounds = 0;
     bool good = round != NULL;
     uint64_t t0 = sp_time_ns(), patience = 60 * UINT64_C(1000000000);
-    while (good && (rounds < min_rounds ||
-                    (atomic_load(migrations) < want &&
-                     (rounds < max_rounds || sp_time_ns() - t0 < patience)))) {
+    while (good &&
+           (rounds < min_rounds || (atomic_load(migrations) < want &&
+                                    (rounds < max_rounds || sp_time_ns() - t0 < patience)))) {
         for (int i = 0; i < TS_PAIRS; i++) sp_counter_add(pairs[i].go, 1);
         good &= sp_jobs_submit(s, waiters, TS_PAIRS, round) == SP_OK;
         good &= sp_jobs_submit(s, signals, TS_PAIRS, round) == SP_OK;

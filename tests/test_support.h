@@ -29,6 +29,14 @@ void ts_log_reset(void);
 /* Back to stderr and the build's default misuse policy. */
 void ts_log_release(void);
 
+/* Read everything from fd into a NUL-terminated buffer of `cap` bytes; the excess is drained
+ * and dropped so that the writer never blocks on a full pipe. */
+void ts_pipe_drain(int fd, char *buf, size_t cap);
+
+/* Whether fn(arg), run on a new thread (sp_thread_start: not attached to anything) while the
+ * caller holds `lock`, returns within 10 s: the call takes no such lock. Joins the thread. */
+bool ts_done_while_held(sp_mutex *lock, void (*fn)(void *), void *arg);
+
 /* Run fn(arg) in a forked child with the build's default (fatal) misuse policy and stderr
  * captured. Returns true if the child died by a signal (abort) and its stderr contained
  * every non-NULL needle. */

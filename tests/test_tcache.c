@@ -403,10 +403,9 @@ static void *alloc_and_exit(void *arg) {
     return NULL; /* exits holding them: its spans become orphans */
 }
 
-static void *tidy_thread(void *arg) {
+static void tidy_call(void *arg) {
+    (void)arg;
     sp_tcache_tidy();
-    atomic_store((atomic_int *)arg, 1);
-    return NULL;
 }
 
 /* Free l's blocks on another thread (remote frees, into inboxes). */
@@ -481,15 +480,8 @@ static void test_tidy(void) {
        "tidy keeps an exited thread's spares (%zu of %zu)", st.spans_orphaned - st0.spans_orphaned,
        spares);
     /* No orphan freed into since: a tidy does not take the orphan lock (held here). */
-    atomic_int tidied = 0;
-    sp_mutex_lock(&tc.orphan_lock);
-    sp_thread_start(&t, tidy_thread, &tidied, "sp-tidy");
-    for (uint64_t t0 = sp_time_ns(); !atomic_load(&tidied) && sp_time_ns() - t0 < 10000000000u;)
-        sp_thread_yield();
-    bool quick = atomic_load(&tidied);
-    sp_mutex_unlock(&tc.orphan_lock);
-    sp_thread_join(t);
-    ok(quick, "tidy walks the orphans only when they were freed into (no lock taken)");
+    ok(ts_done_while_held(&tc.orphan_lock, tidy_call, NULL),
+       "tidy walks the orphans only when they were freed into (no lock taken)");
     sp_tcache_trim();
 }
 
