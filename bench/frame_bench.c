@@ -45,6 +45,11 @@
 #include "sp_tcache.h"
 
 #include "peer.h"
+#if defined(BENCH_PEER_MIMALLOC)
+#include <mimalloc.h>
+#else
+#include <malloc.h>
+#endif
 
 enum { MAX_WORKERS = 2 };
 
@@ -52,8 +57,9 @@ static struct {
     int64_t sample_allocs; /* per thread per sample: frames = sample_allocs / allocs per frame */
     int64_t warm_frames;
     int64_t resets_small, resets_large; /* reclaims timed per sample (N <= 100,000 / above) */
+    int64_t tidies;                     /* give-back calls timed per sample */
     bool smoke;
-} cfg = {1 << 20, 16, 2000, 20, false};
+} cfg = {1 << 20, 16, 2000, 20, 200, false};
 
 typedef enum who { ARENA, TCACHE, PROCESS } who;
 
@@ -255,6 +261,54 @@ static void run_reset(bench_state *st, const void *varg) {
     sp_frame_arena_destroy(arena);
 }
 
+/* ---- tidy ------------------------------------------------------------------------------- */
+
+/* The allocator's call that hands back what it holds free, as a frame loop would make it every
+ * frame: sp_tcache_tidy (bounded: the current spans and at most TCACHE_TIDY_SPANS others),
+ * glibc's malloc_trim(0), mimalloc's mi_collect(false) - the peers' calls walk all they hold. */
+static void give_back(who w) {
+    if (w == TCACHE) {
+        sp_tcache_tidy();
+    } else {
+#if defined(BENCH_PEER_MIMALLOC)
+        mi_collect(false);
+#else
+        malloc_trim(0);
+#endif
+    }
+}
+
+static void run_tidy(bench_state *st, const void *varg) {
+    const bench_arg *a = varg;
+    region mem;
+    void **blocks = region_get(&mem, (size_t)a->n * sizeof(void *));
+    if (!blocks) {
+        bench_skip_with_error(st, "harness memory");
+        return;
+    }
+    uint64_t seed = 0x71d7;
+    bool good = true;
+    for (uint32_t i = 0; i < a->n; i++) {
+        size_t size = 16 + (size_t)(rng_next(&seed) % 1009);
+        blocks[i] = a->w == TCACHE ? sp_tcache_alloc(size) : malloc(size);
+        good &= blocks[i] != NULL;
+    }
+    give_back(a->w); /* the first call may have something to hand back: untimed */
+    uint64_t ticks = 0;
+    int64_t calls = 0;
+    while (good && bench_keep_running_batch(st, cfg.tidies)) {
+        uint64_t t0 = sp_ticks();
+        for (int64_t c = 0; c < cfg.tidies; c++) give_back(a->w);
+        ticks += sp_ticks() - t0;
+        calls += cfg.tidies;
+    }
+    for (uint32_t i = 0; i < a->n; i++)
+        a->w == TCACHE ? sp_tcache_free(blocks[i]) : free(blocks[i]);
+    region_put(&mem);
+    if (!good) bench_skip_with_error(st, "tidy: an allocation failed");
+    if (calls) bench_counter(st, "ns", sp_ticks_to_ns(ticks) / (double)calls, 0);
+}
+
 /* ---- registration ------------------------------------------------------------------------- */
 
 static bool process_malloc_verify(void) {
@@ -271,11 +325,12 @@ int main(int argc, char **argv) {
         cfg.warm_frames = 1;
         cfg.resets_small = 2;
         cfg.resets_large = 1;
+        cfg.tidies = 2;
     }
     if (!process_malloc_verify()) return 1;
     static const uint32_t frame_n[2] = {1024, 4096};
-    static bench_arg args[2][3][MAX_WORKERS], resets[3];
-    static char names[2][3][MAX_WORKERS][64], reset_names[3][64];
+    static bench_arg args[2][3][MAX_WORKERS], resets[3], tidies[2][2];
+    static char names[2][3][MAX_WORKERS][64], reset_names[3][64], tidy_names[2][2][64];
 #if defined(BENCH_PEER_GLIBC)
     int first = ARENA;
 #else
@@ -286,12 +341,21 @@ int main(int argc, char **argv) {
         for (uint32_t w = 1; w <= MAX_WORKERS; w++)
             for (int k = first; k <= PROCESS; k++) {
                 bench_arg *arg = &args[f][k][w - 1];
-                *arg = (bench_arg){.w = (who)k, .workers = w,
-                                   .n = cfg.smoke ? frame_n[f] / 4 : frame_n[f]};
+                *arg = (bench_arg){
+                    .w = (who)k, .workers = w, .n = cfg.smoke ? frame_n[f] / 4 : frame_n[f]};
                 snprintf(names[f][k][w - 1], sizeof names[f][k][w - 1],
                          "frame/alloc/%s/workers:%u/allocs:%u", who_name[k], w, frame_n[f]);
                 bench_register(names[f][k][w - 1], run_alloc, arg, 1);
             }
+    static const uint32_t tidy_n[2] = {1000, 1000000};
+    for (int i = 0; i < 2; i++)
+        for (int k = first == ARENA ? TCACHE : PROCESS; k <= PROCESS; k++) {
+            bench_arg *arg = &tidies[i][k - TCACHE];
+            *arg = (bench_arg){.w = (who)k, .n = cfg.smoke ? tidy_n[0] : tidy_n[i]};
+            snprintf(tidy_names[i][k - TCACHE], sizeof tidy_names[i][k - TCACHE],
+                     "frame/tidy/%s/live:%u", who_name[k], tidy_n[i]);
+            bench_register(tidy_names[i][k - TCACHE], run_tidy, arg, 1);
+        }
 #if defined(BENCH_PEER_GLIBC)
     static const uint32_t reset_n[3] = {1000, 100000, 1000000};
     for (int i = 0; i < 3; i++) {
