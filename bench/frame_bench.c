@@ -15,7 +15,9 @@
  *             Headline ns_per_alloc: per worker thread (averaged over threads), that thread's
  *             time inside its jobs (frees included) plus the advances, over its allocations.
  *             wall_ns_per_alloc: wall time from the first job's start to the last job's end
- *             per frame, over all threads' allocations (1 / throughput). workers:1 = the
+ *             per frame, over all threads' allocations (1 / throughput). advance_ns,
+ *             main_job_ns, worker_job_ns (workers:2): per frame, the advance, the main
+ *             thread's job, the worker's job: what the headline is made of. workers:1 = the
  *             scheduler with no worker threads (jobs run on the main thread in its waits);
  *             workers:2 = the main thread plus one worker, one job pinned to each; the two
  *             jobs meet at a spin barrier before their timed part so that wake-up latency is
@@ -209,6 +211,8 @@ static void run_alloc(bench_state *st, const void *varg) {
         bench_counter(st, "ns_per_alloc", per / W, BENCH_COUNTER_AVG_THREADS);
         bench_counter(st, "wall_ns_per_alloc", (double)wall_ns / (allocs * W), 0);
         bench_counter(st, "advance_ns", (double)advance_ns / (double)timed_frames, 0);
+        bench_counter(st, "main_job_ns", (double)x[0].ns / (double)timed_frames, 0);
+        if (W > 1) bench_counter(st, "worker_job_ns", (double)x[1].ns / (double)timed_frames, 0);
     } else {
         bench_skip_with_error(st, "a submit or wait failed");
     }

@@ -183,39 +183,39 @@ static void handle_retire(void *user, void *old, void (*free_fn)(void *)) {
         if (sp_rt.user_hooks.name) sp_rt.user_hooks.name(sp_rt.user_hooks.user, __VA_ARGS__);      \
     } while (0)
 
-static void hook_thread_start(void *user, uint32_t worker) {
+static void hook_thread_start(void *user, uint32_t index) {
     (void)user;
     own_cache_attach();
     qsbr_register();
-    USER_HOOK(thread_start, worker);
+    USER_HOOK(thread_start, index);
 }
-static void hook_thread_stop(void *user, uint32_t worker) {
+static void hook_thread_stop(void *user, uint32_t index) {
     (void)user;
-    USER_HOOK(thread_stop, worker);
+    USER_HOOK(thread_stop, index);
     own_cache_detach();
     qsbr_unregister();
 }
-static void hook_job_begin(void *user, uint32_t worker, const char *name) {
+static void hook_job_begin(void *user, uint32_t index, const char *name) {
     (void)user;
-    USER_HOOK(job_begin, worker, name);
+    USER_HOOK(job_begin, index, name);
 }
-static void hook_job_end(void *user, uint32_t worker, const char *name) {
+static void hook_job_end(void *user, uint32_t index, const char *name) {
     (void)user;
-    USER_HOOK(job_end, worker, name);
+    USER_HOOK(job_end, index, name);
     rt_quiescent();
 }
-static void hook_job_park(void *user, uint32_t worker, const char *name) {
+static void hook_job_park(void *user, uint32_t index, const char *name) {
     (void)user;
-    USER_HOOK(job_park, worker, name);
+    USER_HOOK(job_park, index, name);
     rt_quiescent();
 }
-static void hook_job_resume(void *user, uint32_t worker, const char *name) {
+static void hook_job_resume(void *user, uint32_t index, const char *name) {
     (void)user;
-    USER_HOOK(job_resume, worker, name);
+    USER_HOOK(job_resume, index, name);
 }
-static void hook_worker_sleep(void *user, uint32_t worker) {
+static void hook_worker_sleep(void *user, uint32_t index) {
     (void)user;
-    USER_HOOK(worker_sleep, worker);
+    USER_HOOK(worker_sleep, index);
     /* Going idle after a frame ended: a good moment to collect this cache's inboxes and give
      * surplus spans back (sp_tcache_tidy, once per frame at most; the main thread does it in
      * sp_frame_end, not when it sleeps in a wait, so its frame's trimmed_bytes is all it gave). */
@@ -226,14 +226,14 @@ static void hook_worker_sleep(void *user, uint32_t worker) {
     }
     qsbr_offline();
 }
-static void hook_worker_wake(void *user, uint32_t worker) {
+static void hook_worker_wake(void *user, uint32_t index) {
     (void)user;
     qsbr_online();
-    USER_HOOK(worker_wake, worker);
+    USER_HOOK(worker_wake, index);
 }
-static void hook_fiber_switch(void *user, uint32_t worker) {
+static void hook_fiber_switch(void *user, uint32_t index) {
     (void)user;
-    USER_HOOK(fiber_switch, worker);
+    USER_HOOK(fiber_switch, index);
 }
 
 /* ---- the desc -------------------------------------------------------------------------- */
