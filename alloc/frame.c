@@ -231,11 +231,13 @@ static bool chunk_take(sp_frame_arena *a, frame_buffer *b, sp_frame_chunk *c) {
     return true;
 }
 
-/* Bump size bytes aligned to align (<= small_max, a power of two >= 16) from c, or NULL. */
+/* Bump size bytes aligned to align (<= small_max, a power of two >= 16) from c, or NULL. The
+ * block starts inside the chunk, also for size 0 (the end of the buffer's last chunk is the
+ * next buffer's start). */
 static void *chunk_bump(sp_frame_chunk *c, size_t align, size_t size) {
     uintptr_t p = sp_align_up((uintptr_t)c->cur, align);
     uintptr_t e = sp_align_up(p + size, 16);
-    if (e > (uintptr_t)c->end) return NULL;
+    if (p >= (uintptr_t)c->end || e > (uintptr_t)c->end) return NULL;
     c->cur = (char *)e;
     return (void *)p;
 }
@@ -245,7 +247,7 @@ static void *chunk_bump(sp_frame_chunk *c, size_t align, size_t size) {
  * NULL: it does not fit. */
 static void *direct_take(sp_frame_arena *a, frame_buffer *b, size_t align, size_t size) {
     if (size > a->capacity) return NULL; /* alloc_any sent alignments above it to overflow */
-    size_t n = sp_align_up(size, 16);
+    size_t n = sp_align_up(size ? size : 1, 16); /* size 0 too gets a block inside the buffer */
     uint64_t w = __atomic_load_n(&b->word, __ATOMIC_RELAXED);
     for (;;) {
         size_t lo = word_lo(w), hi = word_hi(w);

@@ -135,7 +135,7 @@ void sp_frame_arena_destroy(sp_frame_arena *a);
 
 /* void *sp_frame_alloc(sp_frame_arena *a, size_t size)
  *   size bytes aligned to 16 from the current frame's buffer. Size 0 gives a valid pointer to
- *   no bytes (it may equal the next allocation's). Any thread, any fiber.
+ *   no bytes inside the buffer (it may equal the next allocation's). Any thread, any fiber.
  * void *sp_frame_aligned_alloc(sp_frame_arena *a, size_t align, size_t size)
  *   the same with any power-of-two alignment (the block's end is padded to 16).
  * Cost: inline, a thread-pointer read, two compares and a bump (bench `frame/alloc`:
@@ -204,8 +204,10 @@ static inline __attribute__((always_inline)) void *sp_frame_alloc(sp_frame_arena
     char *p = c->cur;
     /* cur and end are 16-aligned, so a size that fits the rest fits once rounded up to 16
      * (and a size near SIZE_MAX never passes: no overflow to guard against). A request of any
-     * size that fits the chunk's rest is served from it. */
-    if (__builtin_expect(c->gen == h->gen && size <= (size_t)(c->end - p), 1)) {
+     * size below the chunk's rest is served from it; one that fills the rest exactly goes out
+     * of line, and so does size 0 at a full chunk's end, which may be the buffer's end (the
+     * next buffer's start): no pointer the inline path returns lies at the chunk's end. */
+    if (__builtin_expect(c->gen == h->gen && size < (size_t)(c->end - p), 1)) {
         c->cur = p + ((size + 15) & ~(size_t)15);
         return p;
     }
@@ -220,7 +222,7 @@ sp_frame_aligned_alloc(sp_frame_arena *a, size_t align, size_t size) {
     uintptr_t e = (p + size + 15) & ~(uintptr_t)15;
     if (__builtin_expect(c->gen == h->gen && align - 1 < h->small_max &&
                              (align & (align - 1)) == 0 && size <= h->small_max &&
-                             e <= (uintptr_t)c->end,
+                             e < (uintptr_t)c->end, /* strictly: see sp_frame_alloc */
                          1)) {
         c->cur = (char *)e;
         return (void *)p;

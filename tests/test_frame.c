@@ -197,6 +197,33 @@ static void test_size_zero_and_buffer_of(void) {
        "%d %d)",
        b[0], b[1], b[2]);
     sp_frame_arena_destroy(a);
+
+    /* A buffer filled to its last byte: size 0 (plain and aligned) gets NULL (counted) or a
+     * pointer inside the current buffer, never the buffer's end (the next buffer's start, or
+     * past the region for the last buffer). Both buffers, both modes. */
+    int bad = 0;
+    for (int mode = 0; mode < 2; mode++) {
+        a = make(2, 2u << 20, 1024, mode ? SP_FRAME_OVERFLOW_HEAP : SP_FRAME_OVERFLOW_NULL);
+        for (int f = 0; a && f < 2; f++) {
+            int cur = (int)(sp_frame_arena_frame(a) % 2);
+            size_t n = 0;
+            sp_frame_buffer_status_get(a, (uint32_t)cur, &st);
+            while (n < st.capacity / 256) n += sp_frame_alloc(a, 256) != NULL;
+            char *q[2] = {sp_frame_alloc(a, 0), sp_frame_aligned_alloc(a, 64, 0)};
+            for (int i = 0; i < 2; i++) {
+                int in = q[i] ? sp_frame_arena_buffer_of(a, q[i]) : cur;
+                if (in != cur && !(mode && in == -1)) {
+                    diag("mode %d frame %d: size-0 block %p in buffer %d, current %d", mode, f,
+                         (void *)q[i], in, cur);
+                    bad++;
+                }
+            }
+            sp_frame_arena_advance(a, NULL);
+        }
+        sp_frame_arena_destroy(a);
+    }
+    ok(bad == 0, "size 0 from a full buffer: NULL, a heap block or inside the buffer (bad %d)",
+       bad);
 }
 
 /* ---- overflow ------------------------------------------------------------------------------ */
@@ -719,7 +746,7 @@ static void test_churn(void) {
 }
 
 int main(void) {
-    plan(49);
+    plan(50);
     for (uint32_t n = 1; n <= 4; n++) test_lifetime(n);
     test_alignment();
     test_chunks();
