@@ -50,7 +50,8 @@
  * (SP_ERR_FOREIGN_POINTER), of an interior, misaligned or never-allocated pointer
  * (SP_ERR_INVALID_POINTER), of a block already free (SP_ERR_DOUBLE_FREE) are reported through
  * the logger with the call, the address and the owning thread when known, and change nothing.
- * Large blocks are checked by the TLSF heap and reported as its calls (sp_tlsf_free, ...).
+ * Large blocks are checked by the TLSF heap (sp_tlsf_check_ptr) and reported under the call
+ * made, with no lock held (a fatal handler may longjmp out of the report).
  * Double frees are recognised by a tag (address ^ a per-process random key) written into the
  * second word of a freed small block; a live block whose second word a user set to exactly
  * that value would be refused as a double free.

@@ -97,6 +97,14 @@ void *sp_tlsf_realloc(sp_tlsf *t, void *p, size_t size);
 /* Usable bytes of a live block (>= the size asked for); 0 for NULL or bad pointers. */
 size_t sp_tlsf_usable_size(sp_tlsf *t, const void *p);
 
+/* The check the calls above make of p, without reporting it: SP_OK for a live block of t,
+ * else the id they would report (SP_ERR_DOUBLE_FREE, SP_ERR_INVALID_POINTER,
+ * SP_ERR_FOREIGN_POINTER) and, if why is not NULL, the reason in words. For a caller that
+ * guards an unlocked heap with a lock of its own and reports once it has released it (a fatal
+ * handler may longjmp out of a report). Locking as for usable_size. O(1) (plus the pool
+ * search for a pointer outside the first pool). */
+sp_result sp_tlsf_check_ptr(sp_tlsf *t, const void *p, const char **why);
+
 /* Whether p lies inside one of the heap's pools. O(number of pools), no lock. */
 bool sp_tlsf_owns(const sp_tlsf *t, const void *p);
 

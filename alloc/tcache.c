@@ -3,6 +3,7 @@
  * everything here runs when they miss, or in sanitizer builds, where it does the whole job
  * and tells ASan/Valgrind about block state through track.h. Status and trim: tcache_status.c.
  */
+#include <stdio.h>
 #include <string.h>
 #include <threads.h>
 
@@ -192,7 +193,7 @@ TRACK_INTERNAL void span_release(span *s) {
     s->magic = 0;
     __atomic_store_n(&s->pub.owner, NULL, __ATOMIC_RELAXED);
     track_subpool_end(base, SP_TCACHE_SPAN - SPAN_TAIL);
-    heap_free(&tc.spans, base);
+    heap_free(&tc.spans, base, "span_release");
 }
 
 /* ---- a cache's lists (changes under c->lock: status readers walk them) ------------------- */
@@ -551,7 +552,7 @@ void tcache_destroy(sp_tcache *pc) {
     tcache_cache_drain(c); /* still registered: its collections are counted */
     track_leave();
     registry_remove(c);
-    heap_free(&tc.spans, span_base(c));
+    heap_free(&tc.spans, span_base(c), "tcache_destroy");
 }
 
 sp_tcache *tcache_bind(sp_tcache *c) {
@@ -674,28 +675,46 @@ void *sp_tcache_aligned_alloc(size_t align, size_t size) {
 
 /* Check that p is a live block of span s (every build). Reports misuse under `call` and
  * returns false otherwise. */
-TRACK_INTERNAL bool tcache_block_check(span *s, const void *p, const char *call) {
+/* What is wrong with p as a live block of span s: SP_OK (nothing), SP_ERR_INVALID_POINTER
+ * (no span in use there, or not the start of a carved block) or SP_ERR_DOUBLE_FREE. Reports
+ * nothing. */
+TRACK_INTERNAL static sp_result block_verdict(const span *s, const void *p) {
     uintptr_t a = (uintptr_t)p;
-    if (s->magic != span_magic(s))
-        return sp_misuse(SP_ERR_INVALID_POINTER, call, p,
-                         "%p lies in the span heap but in no span in use", p),
-               false;
-    uint64_t tid = __atomic_load_n(&s->owner_tid, __ATOMIC_RELAXED);
-    if (!sp_tcache_block_start_(&s->pub, a))
-        return sp_misuse(SP_ERR_INVALID_POINTER, call, p,
-                         "%p is not the start of a block (class %u, %u-byte blocks, span of "
-                         "thread %llu)",
-                         p, s->cls, s->block_size, (unsigned long long)tid),
-               false;
-    const sp_tcache_block *b = p;
-    uintptr_t tag = b->tag;
+    if (s->magic != span_magic(s) || !sp_tcache_block_start_(&s->pub, a))
+        return SP_ERR_INVALID_POINTER;
+    uintptr_t tag = ((const sp_tcache_block *)p)->tag;
     track_value_defined(&tag, sizeof tag);
-    if (tag == (a ^ sp_tcache_g.key))
-        return sp_misuse(SP_ERR_DOUBLE_FREE, call, p,
-                         "%p is already free (%u-byte block, span of thread %llu%s)", p,
-                         s->block_size, (unsigned long long)tid, tid ? "" : ": orphaned"),
-               false;
-    return true;
+    return tag == (a ^ sp_tcache_g.key) ? SP_ERR_DOUBLE_FREE : SP_OK;
+}
+
+/* Report verdict r on p (span s) under `call`, naming the span's owner. */
+TRACK_INTERNAL SP_COLD static void block_report(const span *s, const void *p, const char *call,
+                                                sp_result r) {
+    if (s->magic != span_magic(s)) {
+        sp_misuse(r, call, p, "%p lies in the span heap but in no span in use", p);
+        return;
+    }
+    uint64_t tid = __atomic_load_n(&s->owner_tid, __ATOMIC_RELAXED);
+    char whose[64];
+    if (tid)
+        snprintf(whose, sizeof whose, "span of thread %llu", (unsigned long long)tid);
+    else if (__atomic_load_n(&s->pub.owner, __ATOMIC_RELAXED) == &tc.fallback.pub)
+        snprintf(whose, sizeof whose, "span of the shared fallback cache");
+    else
+        snprintf(whose, sizeof whose, "orphaned span");
+    if (r == SP_ERR_DOUBLE_FREE)
+        sp_misuse(r, call, p, "%p is already free (%u-byte block, %s)", p, s->block_size, whose);
+    else
+        sp_misuse(r, call, p, "%p is not the start of a block (class %u, %u-byte blocks, %s)", p,
+                  s->cls, s->block_size, whose);
+}
+
+/* Whether p is a live block of s; if not, reported under `call`. */
+TRACK_INTERNAL bool tcache_block_check(span *s, const void *p, const char *call) {
+    sp_result r = block_verdict(s, p);
+    if (SP_LIKELY(r == SP_OK)) return true;
+    block_report(s, p, call, r);
+    return false;
 }
 
 /* Owner-local free of a checked block. */
@@ -770,7 +789,7 @@ TRACK_INTERNAL static void block_free(void *p, const char *call) {
             block_free_remote(self, s, p);
         return;
     }
-    case IN_LARGE: heap_free(&tc.large, p); return;
+    case IN_LARGE: heap_free(&tc.large, p, call); return;
     default: /* not ours; and a free must not set the allocator up just to say so */
         if (atomic_load_explicit(&tc.ready, memory_order_acquire))
             sp_misuse(SP_ERR_FOREIGN_POINTER, call, p, "%p was not allocated by the thread caches",
@@ -819,7 +838,7 @@ TRACK_INTERNAL static size_t block_usable(const void *p, const char *call) {
         span *s = span_of(p);
         return tcache_block_check(s, p, call) ? s->block_size : 0;
     }
-    case IN_LARGE: return heap_usable(&tc.large, p);
+    case IN_LARGE: return heap_usable(&tc.large, p, call);
     default:
         sp_misuse(SP_ERR_FOREIGN_POINTER, call, p, "%p was not allocated by the thread caches", p);
         return 0;
@@ -852,7 +871,8 @@ TRACK_INTERNAL uint64_t sp_tcache_owner_thread(const void *p) {
     if (!p || tcache_where(p) != IN_SPANS) return 0;
     track_enter();
     span *s = span_of(p);
-    uint64_t tid = s->magic == span_magic(s) ? __atomic_load_n(&s->owner_tid, __ATOMIC_RELAXED) : 0;
+    uint64_t tid =
+        block_verdict(s, p) == SP_OK ? __atomic_load_n(&s->owner_tid, __ATOMIC_RELAXED) : 0;
     track_leave();
     return tid;
 }
@@ -872,7 +892,7 @@ void *sp_tcache_realloc(void *p, size_t size) {
     if (!usable) return NULL;
     if (!large && size <= usable && size >= usable / 2) return p;
     if (large && size > tc.max_class) {
-        void *q = heap_realloc(&tc.large, p, size);
+        void *q = heap_realloc(&tc.large, p, size, "sp_tcache_realloc");
         if (q) return q;
     }
     void *q = sp_tcache_alloc(size);

@@ -57,23 +57,46 @@ void *heap_alloc(heap *h, size_t align, size_t size) {
     return p;
 }
 
-void heap_free(heap *h, void *p) {
-    sp_mutex_lock(&h->lock);
-    if (h->t) sp_tlsf_free(h->t, p); /* a bad pointer is reported by TLSF, the heap untouched */
-    sp_mutex_unlock(&h->lock);
+/* Under h's lock: whether p is a live block of h (the TLSF call that follows then reports
+ * nothing); else its verdict, for heap_report once the lock is released. */
+static sp_result heap_check(heap *h, const void *p, const char **why) {
+    if (h->t) return sp_tlsf_check_ptr(h->t, p, why);
+    *why = "the heap holds no block yet";
+    return SP_ERR_FOREIGN_POINTER;
 }
 
-size_t heap_usable(heap *h, const void *p) {
+/* After the unlock: a fatal handler may longjmp out of the report, and must leave no lock. */
+SP_COLD static void heap_report(heap *h, const char *call, const void *p, sp_result r,
+                                const char *why) {
+    sp_misuse(r, call, p, "%p: %s (heap '%s')", p, why, h->name);
+}
+
+void heap_free(heap *h, void *p, const char *call) {
+    const char *why = NULL;
     sp_mutex_lock(&h->lock);
-    size_t n = h->t ? sp_tlsf_usable_size(h->t, p) : 0;
+    sp_result r = heap_check(h, p, &why);
+    if (r == SP_OK) sp_tlsf_free(h->t, p);
     sp_mutex_unlock(&h->lock);
+    if (r != SP_OK) heap_report(h, call, p, r, why);
+}
+
+size_t heap_usable(heap *h, const void *p, const char *call) {
+    const char *why = NULL;
+    sp_mutex_lock(&h->lock);
+    sp_result r = heap_check(h, p, &why);
+    size_t n = r == SP_OK ? sp_tlsf_usable_size(h->t, p) : 0;
+    sp_mutex_unlock(&h->lock);
+    if (r != SP_OK) heap_report(h, call, p, r, why);
     return n;
 }
 
-void *heap_realloc(heap *h, void *p, size_t size) {
+void *heap_realloc(heap *h, void *p, size_t size, const char *call) {
+    const char *why = NULL;
     sp_mutex_lock(&h->lock);
-    void *q = sp_tlsf_realloc(h->t, p, size);
+    sp_result r = heap_check(h, p, &why);
+    void *q = r == SP_OK ? sp_tlsf_realloc(h->t, p, size) : NULL;
     sp_mutex_unlock(&h->lock);
+    if (r != SP_OK) heap_report(h, call, p, r, why);
     return q;
 }
 

@@ -94,9 +94,11 @@ static inline bool tcache_ready(void) {
 void heap_open(heap *h, const char *name, char *base, size_t limit);
 void heap_close(heap *h);
 void *heap_alloc(heap *h, size_t align, size_t size); /* grows the heap as needed */
-void heap_free(heap *h, void *p);                     /* a bad p is reported, nothing freed */
-size_t heap_usable(heap *h, const void *p);
-void *heap_realloc(heap *h, void *p, size_t size); /* NULL: not in place/no room, p intact */
+/* A bad p is reported under `call` once the heap's lock is released, and nothing changes:
+ * free frees nothing, usable returns 0, realloc NULL (as when p cannot grow in place). */
+void heap_free(heap *h, void *p, const char *call);
+size_t heap_usable(heap *h, const void *p, const char *call);
+void *heap_realloc(heap *h, void *p, size_t size, const char *call); /* NULL: not in place */
 void heap_status(heap *h, sp_tlsf_status *out);
 void heap_lock_all(bool lock);
 

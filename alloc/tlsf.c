@@ -672,6 +672,14 @@ TRACK_INTERNAL size_t sp_tlsf_usable_size(sp_tlsf *t, const void *p) {
     return size;
 }
 
+TRACK_INTERNAL sp_result sp_tlsf_check_ptr(sp_tlsf *t, const void *p, const char **why) {
+    heap_lock(t);
+    verdict v = block_check_live(t, p);
+    heap_unlock(t);
+    if (why) *why = v.why;
+    return v.id;
+}
+
 bool sp_tlsf_owns(const sp_tlsf *t, const void *p) {
     return t && pool_of(t, p) != NULL;
 }

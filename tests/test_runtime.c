@@ -758,6 +758,11 @@ static void *stray_thread(void *arg) {
     ts_log_release();
     sp_tcache_free(p);
     sp_tcache_free(p2);
+    ts_log_capture();
+    sp_tcache_free(p); /* a double free in the fallback's span: the report says whose */
+    r[3] = ts_logged.last_id == SP_ERR_DOUBLE_FREE &&
+           strstr(ts_logged.last_message, "shared fallback cache") != NULL;
+    ts_log_release();
     pthread_barrier_wait(&stray_bar); /* A: main checks, shuts down */
     pthread_barrier_wait(&stray_bar); /* B */
     void *q = sp_tcache_alloc(100);   /* a standalone thread cache now (defaults) */
@@ -804,13 +809,14 @@ static void test_stray_free_lock_free(void) {
 static void test_stray_threads(void) {
     sp_desc d = small_desc(1);
     sp_init(&d);
-    int r[3] = {0, 0, 0};
+    int r[4] = {0, 0, 0, 0};
     pthread_barrier_init(&stray_bar, NULL, 2);
     pthread_t t;
     pthread_create(&t, NULL, stray_thread, r);
     pthread_barrier_wait(&stray_bar);
     ok(r[0], "a thread that did not attach allocates from the shared fallback cache");
     ok(r[2], "... told once (a warning naming the thread), not at every allocation");
+    ok(r[3], "a double free there is reported as in the shared fallback cache's span");
     is_int(sp_shutdown(), SP_OK, "shutdown with such a thread running");
     pthread_barrier_wait(&stray_bar);
     pthread_join(t, NULL);

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "sp_tcache.h"
+#include "tcache_heap.h" /* white box: the large heap's lock */
 #include "test_support.h"
 
 static bool same(const sp_tcache_status *a, const sp_tcache_status *b) {
@@ -80,13 +81,13 @@ static void test_reported(void) {
        "a second free on another thread is refused too");
     refuse_all(live + 16, SP_ERR_INVALID_POINTER, "sp_tcache_free", "interior +16");
     refuse_all(live + 1, SP_ERR_INVALID_POINTER, "sp_tcache_free", "misaligned +1");
-    uintptr_t span = (uintptr_t)live & ~(SP_TCACHE_SPAN - 1);
+    uintptr_t span0 = (uintptr_t)live & ~(SP_TCACHE_SPAN - 1);
     refuse_all((char *)sp_tcache_span_of_((uintptr_t)live) + 64, SP_ERR_INVALID_POINTER,
                "sp_tcache_free", "span header");
-    refuse_all((void *)(span + 16), SP_ERR_INVALID_POINTER, "sp_tcache_free", "the span's start");
+    refuse_all((void *)(span0 + 16), SP_ERR_INVALID_POINTER, "sp_tcache_free", "the span's start");
     /* The first block not carved yet: a block start (of live's 64-byte class) at the bound. */
     const sp_tcache_span *hs = sp_tcache_span_of_((uintptr_t)live);
-    uintptr_t uncarved = span + (hs->first32 & (SP_TCACHE_SPAN - 1)) + (uintptr_t)hs->carved * 64;
+    uintptr_t uncarved = span0 + (hs->first32 & (SP_TCACHE_SPAN - 1)) + (uintptr_t)hs->carved * 64;
     refuse_all((void *)uncarved, SP_ERR_INVALID_POINTER, "sp_tcache_free",
                "the first block not carved yet");
     refuse_all(&on_stack, SP_ERR_FOREIGN_POINTER, "sp_tcache_free", "stack address");
@@ -109,7 +110,7 @@ static void test_reported(void) {
 
     char *big = sp_tcache_alloc(100000);
     sp_tcache_free(big);
-    refuse_all(big, SP_ERR_DOUBLE_FREE, "sp_tlsf_free", "large block already freed");
+    refuse_all(big, SP_ERR_DOUBLE_FREE, "sp_tcache_free", "large block already freed");
 
     sp_tcache_status before, after;
     sp_tcache_status_get(&before);
@@ -132,6 +133,12 @@ static void test_reported(void) {
            ts_logged.count == 0,
        "requests that cannot be met: NULL, not misuse");
 
+    uint64_t me_id = sp_thread_os_id();
+    ok(sp_tcache_owner_thread(live) == me_id && sp_tcache_owner_thread(live + 16) == 0 &&
+           sp_tcache_owner_thread(freed) == 0 && sp_tcache_owner_thread(big) == 0,
+       "owner_thread: the caller's id for its live block, 0 for an interior pointer, a freed "
+       "block and a large block");
+
     /* Still intact: the double-freed block is handed out once only. */
     char *a = sp_tcache_alloc(64), *b = sp_tcache_alloc(64), *c = sp_tcache_alloc(64);
     ok(a && b && c && a != b && b != c && a != c && sp_tcache_usable_size(live) == 64,
@@ -148,6 +155,41 @@ static void do_free(void *p) {
     sp_tcache_free(p);
 }
 
+/* Misuse of a large block is reported with the large heap's lock released (a fatal handler
+ * may longjmp out of the report: sp_log.h), under the call the user made. */
+static int probe_reports, probe_locked;
+static char probe_calls[160];
+
+static void lock_probe(void *user, const sp_log_record *rec) {
+    (void)user;
+    if (rec->id == SP_OK) return;
+    if (sp_mutex_trylock(&tc.large.lock))
+        sp_mutex_unlock(&tc.large.lock);
+    else
+        probe_locked++;
+    probe_reports++;
+    size_t n = strlen(probe_calls);
+    snprintf(probe_calls + n, sizeof probe_calls - n, "%s ", rec->call);
+}
+
+static void test_large_unlocked(void) {
+    char *big = sp_tcache_alloc(100000);
+    sp_tcache_free(big);
+    sp_log_set(lock_probe, NULL);
+    sp_misuse_set_fatal(false);
+    sp_tcache_free(big);
+    void *q = sp_tcache_realloc(big, 200000);
+    size_t n = sp_tcache_usable_size(big);
+    sp_tcache_free_sized(big, 1);
+    ts_log_release();
+    ok(probe_reports == 4 && probe_locked == 0 && q == NULL && n == 0 &&
+           !strcmp(probe_calls,
+                   "sp_tcache_free sp_tcache_realloc sp_tcache_usable_size sp_tcache_free_sized "),
+       "large-block misuse is reported with the heap's lock released, under the user's call "
+       "(%d reports, %d under the lock: %s)",
+       probe_reports, probe_locked, probe_calls);
+}
+
 static void test_fatal(void) {
     static int outside;
     void *cases[] = {freed, live + 16, &outside};
@@ -161,8 +203,9 @@ static void test_fatal(void) {
 }
 
 int main(void) {
-    plan(44);
+    plan(46);
     test_reported();
+    test_large_unlocked();
     test_fatal();
     sp_tcache_free(live);
     sp_tcache_thread_detach();

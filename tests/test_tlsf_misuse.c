@@ -21,10 +21,16 @@ static bool unchanged(const sp_tlsf_status *before) {
            now.free_blocks == before->free_blocks;
 }
 
-/* Call free, realloc and usable_size with p; each must report `want` at p and change nothing. */
+/* check_ptr must give `want` and report nothing; free, realloc and usable_size with p must
+ * each report `want` at p; none may change anything. */
 static void refuse_all(void *p, sp_result want, const char *what) {
     sp_tlsf_status before;
     sp_tlsf_status_get(heap, &before);
+    ts_log_reset();
+    const char *why = NULL;
+    sp_result verdict = sp_tlsf_check_ptr(heap, p, &why);
+    ok(verdict == want && why != NULL && ts_logged.count == 0 && unchanged(&before),
+       "check_ptr(%s): %s, nothing reported, heap unchanged", what, sp_result_name(verdict));
     ts_log_reset();
     sp_tlsf_free(heap, p);
     bool freed = ts_logged.count == 1 && ts_logged.last_id == want && ts_logged.last_addr == p &&
@@ -81,6 +87,8 @@ static void test_reported(void) {
     ts_log_capture();
     int on_stack = 0;
     void *glibc = malloc(32);
+    ok(sp_tlsf_check_ptr(heap, live, NULL) == SP_OK && ts_logged.count == 0,
+       "check_ptr(live block): SP_OK");
     refuse_all(freed_alone, SP_ERR_DOUBLE_FREE, "already freed");
     refuse_all(freed_merged, SP_ERR_DOUBLE_FREE, "freed and merged");
     ok(strstr(ts_logged.last_message, "merged") != NULL,
