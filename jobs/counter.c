@@ -178,12 +178,22 @@ void jobs_counter_keep(sp_counter *c, bool keep) {
     sp_mutex_unlock(&c->s->counter_lock);
 }
 
+/* A negative n would move the counter the other way without the wake-ups (add) or raise it
+ * under the name of signalling (sub). */
+static sp_result counter_n_check(sp_counter *c, int64_t n, const char *call) {
+    sp_result r = counter_check(c, call);
+    if (r == SP_OK && SP_UNLIKELY(n < 0))
+        r = sp_misuse(SP_ERR_INVALID_ARG, call, c, "negative n (%lld): counter '%s' unchanged",
+                      (long long)n, c->name ? c->name : "(unnamed)");
+    return r;
+}
+
 void sp_counter_add(sp_counter *c, int64_t n) {
-    if (counter_check(c, "sp_counter_add") == SP_OK) atomic_fetch_add(&c->value, n);
+    if (counter_n_check(c, n, "sp_counter_add") == SP_OK) atomic_fetch_add(&c->value, n);
 }
 
 void sp_counter_sub(sp_counter *c, int64_t n) {
-    if (counter_check(c, "sp_counter_sub") == SP_OK) counter_lower(c, n);
+    if (counter_n_check(c, n, "sp_counter_sub") == SP_OK) counter_lower(c, n);
 }
 
 int64_t sp_counter_value(const sp_counter *c) {

@@ -67,15 +67,22 @@ static void abandon_waiters(sp_jobs *s) {
             for (waiter *wt = list, *next; wt; wt = next) {
                 next = wt->next;
                 bool fiber = wt->kind == WAIT_FIBER;
+                job *jb = wt->job;
+                /* A parked piece of a batch: the job that waits is the one it last began. */
+                const char *name = fiber && jb->kind == JOB_BATCH && jb->begin > 0
+                                       ? jb->batch->jobs[jb->begin - 1].name
+                                       : jb->name;
                 s->abandoned = true;
                 sp_log(SP_LOG_ERROR, SP_ERR_STALLED, "sp_jobs_shutdown", c,
                        "%s '%s' waits on counter '%s' (value %lld, target %lld) that nothing can "
                        "reach: abandoned",
                        fiber ? "job" : "deferred batch starting with job",
-                       wt->job->name ? wt->job->name : "(unnamed)", c->name ? c->name : "(unnamed)",
+                       name ? name : "(unnamed)", c->name ? c->name : "(unnamed)",
                        (long long)atomic_load(&c->value), (long long)wt->target);
                 if (fiber) {
-                    sp_fiber_release(s->pool, wt->job->fiber); /* wt lived on that stack */
+                    batch *b = jb->kind == JOB_BATCH ? jb->batch : NULL;
+                    sp_fiber_release(s->pool, jb->fiber); /* wt lived on that stack */
+                    if (b && atomic_fetch_sub(&b->pieces, 1) == 1) free(b); /* never resumes */
                 } else {
                     atomic_fetch_sub(&s->deferred, wt->count);
                     job *first = wt->job; /* wt lives in this record */
@@ -350,9 +357,15 @@ fail:
 
 void sp_jobs_destroy(sp_jobs *s) {
     if (!s) return;
+    worker *w = jobs_current_worker();
+    if (SP_UNLIKELY(w != &s->workers[0] || w->current_job)) {
+        sp_misuse(SP_ERR_INVALID_ARG, "sp_jobs_destroy", s,
+                  "called from a job or from a thread other than the main thread: not destroyed");
+        return;
+    }
     if (!atomic_load(&s->stopped)) {
-        sp_result r = sp_jobs_shutdown(s);
-        if (r != SP_OK && r != SP_ERR_SHUTDOWN) return; /* misuse, reported */
+        sp_result r = sp_jobs_shutdown(s); /* stalled jobs are reported and abandoned there */
+        if (r == SP_ERR_INVALID_ARG) return; /* misuse, reported */
     }
     worker *main = &s->workers[0];
     sp_fiber_thread_leave(main->thread_fiber);

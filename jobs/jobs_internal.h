@@ -172,6 +172,8 @@ struct sp_jobs {
     _Atomic uint64_t ext_taken, ext_submitted; /* records and jobs of non-worker threads */
     _Atomic int64_t deferred;                  /* records of batches waiting to start */
     _Atomic uint32_t exhaustion_logged;
+    _Atomic uint32_t nest_logged;  /* a nested wait stopped starting jobs (stack low): told */
+    _Atomic uint32_t stall_logged; /* ... and then nothing finished for a second: told */
     sp_counter *drain; /* the main thread waits on it during shutdown */
     _Atomic uint32_t drained;
     uint64_t drain_last_done, drain_still_since; /* main thread only */

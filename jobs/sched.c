@@ -177,7 +177,9 @@ static void worker_idle(sp_jobs *s, worker *w, sp_counter *c, int64_t target) {
         stat_inc(&w->sleeps);
         if (h->worker_sleep) h->worker_sleep(h->user, w->id);
         uint64_t timeout = c ? 100000 : w->id == 0 && atomic_load(&s->closing) ? 1000000 : 0;
-        while (atomic_load(&w->sleep) == 1) {
+        /* has_work again: the hook may have made a job ready here (a counter it signalled
+         * resumes its parked job on this worker, where no push wakes anyone). */
+        while (atomic_load(&w->sleep) == 1 && !has_work(s, w)) {
             sp_futex_wait((uint32_t *)&w->sleep, 1, timeout);
             if (timeout) break;
         }
@@ -683,13 +685,60 @@ SP_COLD static void exhaustion_report(sp_jobs *s, worker *w, sp_counter *c) {
            s->desc.fibers, c->name ? c->name : "(unnamed)");
 }
 
-/* No fiber to park on: run other jobs on this stack until c reaches target. */
+/* Whether the running fiber's stack has room for one more job on top of this frame: a
+ * quarter of it left, and at least 32 KiB (a report through the logger alone takes about 10).
+ * Thread stacks (no pooled fiber) are not measured. */
+static bool stack_room(worker *w) {
+    void *lo;
+    size_t size;
+    sp_fiber_stack(w->current_fiber, &lo, &size);
+    size_t keep = size / 4 > 32768 ? size / 4 : 32768;
+    char here;
+    return !lo || (size_t)(&here - (char *)lo) > keep;
+}
+
+SP_COLD static void nest_report(sp_jobs *s, sp_counter *c) {
+    if (atomic_exchange(&s->nest_logged, 1)) return;
+    sp_log(SP_LOG_WARN, SP_ERR_LIMIT, "sp_counter_wait", c,
+           "a wait on counter '%s' that runs jobs on its own stack (all %u fibers in use) has "
+           "less than a quarter of the stack (or 32 KiB) left: it starts no more jobs there, "
+           "only resumes parked ones and waits, which deadlocks if every worker is there; "
+           "raise sp_jobs_desc.fibers or fiber_stack (reported once)",
+           c->name ? c->name : "(unnamed)", s->desc.fibers);
+}
+
+/* A nested wait that may start no job: once no job has finished anywhere for a second, say
+ * so (SP_ERR_STALLED, once per scheduler); the wait goes on. */
+SP_COLD static void stall_check(sp_jobs *s, sp_counter *c, uint64_t *seen, uint64_t *since) {
+    uint64_t run = 0, now = sp_time_ns();
+    for (uint32_t i = 0; i <= s->nworkers; i++)
+        run += atomic_load_explicit(&s->workers[i].done, memory_order_relaxed);
+    if (run != *seen) {
+        *seen = run;
+        *since = now;
+    } else if (now - *since > 1000000000u && !atomic_exchange(&s->stall_logged, 1)) {
+        sp_log(SP_LOG_ERROR, SP_ERR_STALLED, "sp_counter_wait", c,
+               "no job has finished for a second while waits on full fiber stacks start none: "
+               "counter '%s' (value %lld) waits for jobs that need a fiber; raise "
+               "sp_jobs_desc.fibers (reported once)",
+               c->name ? c->name : "(unnamed)", (long long)atomic_load(&c->value));
+    }
+}
+
+/* No fiber to park on: run other jobs on this stack until c reaches target; with less than a
+ * quarter of the stack left, only resume parked jobs (a switch, not a nesting) and wait. */
 static void wait_nested(sp_jobs *s, worker *w, job *me, sp_counter *c, int64_t target) {
     exhaustion_report(s, w, c);
     piece_give_back(s, w, me);
+    uint64_t seen = UINT64_MAX, since = 0; /* jobs run anywhere, and when that last changed */
     while (!counter_reached(c, target)) {
         job *k = find_work(s, w);
-        if (k && k->fiber) {
+        if (k && !k->fiber && !stack_room(w)) {
+            nest_report(s, c);
+            jobs_chain_push(s, NULL, (k->next = NULL, k)); /* queued for all: behind ready ones */
+            stall_check(s, c, &seen, &since);
+            worker_idle(s, w, c, target);
+        } else if (k && k->fiber) {
             /* A parked job is ready: park ourselves and switch straight to it. */
             if (!job_park(s, w, me, c, target, k->fiber, k))
                 jobs_chain_push(s, w, (k->next = NULL, k));

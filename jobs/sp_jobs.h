@@ -157,7 +157,9 @@ sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc);
  * call does nothing and returns SP_ERR_SHUTDOWN. */
 sp_result sp_jobs_shutdown(sp_jobs *s);
 
-/* Shut down if not done, then free everything; NULL is ignored. Main thread only. */
+/* Shut down if not done (stalled jobs reported and abandoned as there), then free everything;
+ * NULL is ignored. Main thread only, outside jobs: else misuse (SP_ERR_INVALID_ARG, reported;
+ * nothing freed). */
 void sp_jobs_destroy(sp_jobs *s);
 
 /* Submit `count` jobs (the descs are copied; the array may be reused at once). If `counter`
@@ -171,14 +173,15 @@ void sp_jobs_destroy(sp_jobs *s);
  * but cached by workers that have not run yet). Errors: SP_ERR_SHUTDOWN (after shutdown
  * began, from a thread that is not running a job), SP_ERR_LIMIT (out of job records, logged),
  * SP_ERR_NOMEM (the copy, logged), SP_ERR_INVALID_ARG (misuse: NULL s, jobs with count > 0, NULL
- * fn, a pinned worker out of range, a destroyed counter). count 0 is SP_OK and does nothing. */
+ * fn, a pinned worker out of range, a destroyed counter or one of another scheduler). count 0
+ * is SP_OK and does nothing. */
 sp_result sp_jobs_submit(sp_jobs *s, const sp_job_desc *jobs, uint32_t count, sp_counter *counter);
 
 /* As sp_jobs_submit, but the jobs start only once `after` reaches `after_target` (at once if
  * it already has). `counter` is raised now. Graphs built this way cannot deadlock through
  * their edges: a batch can only wait on a counter that already exists. Misuse as for
- * sp_jobs_submit, and also a NULL or destroyed `after` (SP_ERR_INVALID_ARG, nothing
- * submitted). */
+ * sp_jobs_submit, and also a NULL or destroyed `after`, and `after` equal to `counter` (the
+ * batch would wait on itself) (SP_ERR_INVALID_ARG, nothing submitted). */
 sp_result sp_jobs_submit_after(sp_jobs *s, sp_counter *after, int64_t after_target,
                                const sp_job_desc *jobs, uint32_t count, sp_counter *counter);
 
@@ -235,13 +238,13 @@ sp_counter *sp_counter_create(sp_jobs *s, const char *name);
 void sp_counter_destroy(sp_counter *c);
 
 /* Raise by n (work the caller will signal later). Any thread, never suspends. Misuse: a
- * destroyed counter (SP_ERR_INVALID_ARG, reported; no change). */
+ * destroyed counter, a negative n (SP_ERR_INVALID_ARG, reported; no change). */
 void sp_counter_add(sp_counter *c, int64_t n);
 
 /* Lower by n and resume the waits and start the deferred batches this satisfies. Any thread,
  * never suspends. Cost: one atomic; when something waits, an exchange that takes the wait
  * list and one compare-exchange that puts back the waiters not yet satisfied. Misuse: a
- * destroyed counter (SP_ERR_INVALID_ARG, reported; no change, nothing woken). */
+ * destroyed counter, a negative n (SP_ERR_INVALID_ARG, reported; no change, nothing woken). */
 void sp_counter_sub(sp_counter *c, int64_t n);
 
 /* The current value (a snapshot). Any thread. NULL: 0. Misuse: a destroyed counter
@@ -251,7 +254,11 @@ int64_t sp_counter_value(const sp_counter *c);
 /* Return once the counter's value is <= target. Inside a job: parks the job's fiber and the
  * worker runs other jobs; the job may continue on another worker (see the migration rule).
  * If every fiber is in use the wait instead runs other jobs on the waiting job's own stack
- * until the counter is reached (logged once per scheduler, counted in fiber_exhaustions).
+ * until the counter is reached (logged once per scheduler, counted in fiber_exhaustions); with
+ * less than a quarter of that stack (or 32 KiB) left it starts no more jobs there, only
+ * resumes parked ones and waits (SP_ERR_LIMIT, logged once): a tree of waits deeper than the
+ * fibers can hold then waits for fibers to come free, and if no job finishes anywhere for a
+ * second that is reported as SP_ERR_STALLED (once; the wait goes on).
  * On the main thread outside jobs: runs jobs until the counter is reached, then sleeps on a
  * futex. On other threads: sleeps on a futex. Returns SP_OK; misuse: SP_ERR_INVALID_ARG
  * (NULL, or a destroyed counter: returns at once), SP_ERR_SHUTDOWN (the counter is not

@@ -9,8 +9,11 @@
  * the call; nothing changes), its memory is reused last (first-in first-out), counters signalled
  * and destroyed back to back are never taken for destroyed, and a counter the runtime keeps
  * cannot be destroyed (white-box: jobs_counter_keep, jobs_internal.h). Swept over the inline
- * mode and 2 workers. */
+ * mode and 2 workers. Then what an audit found (each fails with its fix undone): counters of
+ * another scheduler, a batch waiting on its own counter, negative add/sub, destroy from another
+ * thread or with stalled jobs, a sleep hook that signals, a deep fork-join tree. */
 #include <stdlib.h>
+#include <sys/wait.h>
 #include <string.h>
 
 #include "jobs_internal.h"
@@ -624,6 +627,229 @@ static void test_no_counter_waits(const jt_config *c) {
     S = NULL;
 }
 
+/* ---- found by an audit: foreign counters, self edges, negative n, destroy misuse, a sleep
+ * hook that signals, the name of an abandoned batch job, deep fork-join without fibers ---- */
+
+static atomic_int foreign_stage;
+static sp_counter *foreign_c;
+
+static void *foreign_owner(void *arg) { /* a thread with its own scheduler B and a counter */
+    (void)arg;
+    sp_jobs *b = NULL;
+    sp_jobs_desc d = {.no_workers = true, .watchdog_ms = UINT32_MAX};
+    if (sp_jobs_create(&b, &d) == SP_OK) foreign_c = sp_counter_create(b, "B's counter");
+    atomic_store(&foreign_stage, 1);
+    while (atomic_load(&foreign_stage) != 2) sp_thread_yield();
+    if (b) {
+        sp_counter_destroy(foreign_c);
+        sp_jobs_destroy(b);
+    }
+    return NULL;
+}
+
+static void *destroy_elsewhere(void *arg) {
+    sp_jobs_destroy(arg);
+    return NULL;
+}
+
+static void test_audit_misuse(const jt_config *c) {
+    if (!scheduler_begin(c)) return;
+    sp_jobs_status before;
+    sp_job_desc j = jt_job(run_fn, NULL, "misuse");
+    /* a counter of another scheduler, as counter and as after */
+    sp_thread t;
+    atomic_store(&foreign_stage, 0);
+    sp_thread_start(&t, foreign_owner, NULL, "sp-foreign");
+    while (atomic_load(&foreign_stage) != 1) sp_thread_yield();
+    sp_jobs_status_get(S, &before);
+    int lb = jt_log_total();
+    sp_result r = foreign_c ? sp_jobs_submit(S, &j, 1, foreign_c) : SP_ERR_NOMEM;
+    ok(refused(r, SP_ERR_INVALID_ARG, "sp_jobs_submit", lb, &before, NULL, 0),
+       "%s: submit with another scheduler's counter: refused, nothing submitted", cfg());
+    lb = jt_log_total();
+    r = foreign_c ? sp_jobs_submit_after(S, foreign_c, 0, &j, 1, NULL) : SP_ERR_NOMEM;
+    ok(refused(r, SP_ERR_INVALID_ARG, "sp_jobs_submit_after", lb, &before, NULL, 0),
+       "%s: submit_after on another scheduler's counter: refused, nothing submitted", cfg());
+    atomic_store(&foreign_stage, 2);
+    sp_thread_join(t);
+    /* the batch's own counter as `after` */
+    sp_counter *self = counter("self edge");
+    lb = jt_log_total();
+    r = sp_jobs_submit_after(S, self, 0, &j, 1, self);
+    ok(refused(r, SP_ERR_INVALID_ARG, "sp_jobs_submit_after", lb, &before, self, 0),
+       "%s: submit_after with `after` == `counter`: refused, counter unchanged", cfg());
+    /* negative n */
+    sp_counter_add(self, 2);
+    lb = jt_log_total();
+    sp_counter_add(self, -1);
+    bool add_refused =
+        jt_log_total() == lb + 1 && jt_log_has(SP_ERR_INVALID_ARG, "sp_counter_add", NULL);
+    lb = jt_log_total();
+    sp_counter_sub(self, -1);
+    bool sub_refused =
+        jt_log_total() == lb + 1 && jt_log_has(SP_ERR_INVALID_ARG, "sp_counter_sub", NULL);
+    ok(add_refused && sub_refused && sp_counter_value(self) == 2,
+       "%s: add and sub of a negative n: refused, reported, value unchanged (%lld)", cfg(),
+       (long long)sp_counter_value(self));
+    sp_counter_sub(self, 2);
+    sp_counter_destroy(self);
+    /* destroy from a thread other than the main thread */
+    lb = jt_log_total();
+    sp_thread_start(&t, destroy_elsewhere, S, "sp-destroyer");
+    sp_thread_join(t);
+    bool refused_destroy =
+        jt_log_total() == lb + 1 && jt_log_has(SP_ERR_INVALID_ARG, "sp_jobs_destroy", NULL);
+    sp_counter *after = counter("after a refused destroy");
+    atomic_store(&runs, 0);
+    bool works = sp_jobs_submit(S, &j, 1, after) == SP_OK && sp_counter_wait(after, 0) == SP_OK &&
+                 atomic_load(&runs) == 1;
+    sp_counter_destroy(after);
+    ok(refused_destroy && works,
+       "%s: sp_jobs_destroy from another thread: refused, reported; the scheduler still runs jobs",
+       cfg());
+    scheduler_end();
+}
+
+/* A batch of two jobs, the second waiting forever; destroy without shutdown. */
+static sp_counter *forever;
+
+static void waits_forever(void *arg) {
+    (void)arg;
+    sp_counter_wait(forever, 0);
+}
+
+static void test_audit_stalled_destroy(const jt_config *c) {
+    CFG = c;
+    sp_jobs_desc desc = desc_for(c);
+    desc.watchdog_ms = UINT32_MAX;
+    if (sp_jobs_create(&S, &desc) != SP_OK) {
+        ok(0, "%s: create", cfg());
+        return;
+    }
+    forever = counter("forever");
+    sp_counter_add(forever, 1);
+    sp_job_desc d[2] = {jt_job(run_fn, NULL, "returns"), jt_job(waits_forever, NULL, "waits")};
+    bool sub = sp_jobs_submit(S, d, 2, NULL) == SP_OK;
+    jt_log_reset();
+    sp_jobs_destroy(S); /* no shutdown first: it shuts down, reports, abandons, frees */
+    S = NULL;
+    bool named = jt_log_has(SP_ERR_STALLED, NULL, "'waits'");
+    sp_jobs *again = NULL;
+    sp_jobs_desc fresh = desc_for(c);
+    bool released = sp_jobs_create(&again, &fresh) == SP_OK;
+    if (again) sp_jobs_destroy(again);
+    ok(sub && named && released,
+       "%s: destroy with a stalled batch job: the report names the job that waits ('waits'), and "
+       "the thread is free for a new scheduler (%s)",
+       cfg(), released ? "created" : "refused");
+    if (!named) jt_log_diag();
+}
+
+/* A worker_sleep hook that signals the counter a job pinned to that worker waits on. */
+static sp_counter *hook_gate;
+static atomic_int hook_parked, hook_signalled, hook_resumed;
+
+static void signalling_sleep_hook(void *user, uint32_t index) {
+    (void)user;
+    if (index == 1 && atomic_load(&hook_parked) && !atomic_exchange(&hook_signalled, 1))
+        sp_counter_sub(hook_gate, 1);
+}
+
+static void hook_waiter(void *arg) {
+    (void)arg;
+    atomic_store(&hook_parked, 1);
+    sp_counter_wait(hook_gate, 0);
+    atomic_store(&hook_resumed, 1);
+}
+
+static void test_audit_sleep_hook(void) {
+    CFG = &jt_sweep[2];
+    sp_jobs_desc desc = {.workers = 1, .hooks = {.worker_sleep = signalling_sleep_hook}};
+    if (sp_jobs_create(&S, &desc) != SP_OK) {
+        ok(0, "sleep hook: create");
+        return;
+    }
+    hook_gate = counter("hook gate");
+    sp_counter_add(hook_gate, 1);
+    sp_job_desc j = jt_job(hook_waiter, NULL, "pinned waiter");
+    j.pinned = true;
+    j.worker = 1;
+    bool sub = sp_jobs_submit(S, &j, 1, NULL) == SP_OK;
+    uint64_t t0 = sp_time_ns();
+    while (!atomic_load(&hook_resumed) && sp_time_ns() - t0 < 10000000000u) sp_thread_yield();
+    ok(sub && atomic_load(&hook_resumed),
+       "a worker_sleep hook that signals a counter: the job it readies on that worker resumes "
+       "without waiting for another wake-up");
+    sp_jobs_shutdown(S);
+    sp_counter_destroy(hook_gate);
+    sp_jobs_destroy(S);
+    S = NULL;
+}
+
+/* Fork-join without enough fibers: a 3-ary tree of jobs, each waiting on its children, 8 deep
+ * (9,841 jobs; on odd levels one child pinned to a worker) on the default scheduler (128
+ * fibers of 256 KiB). Waits that find no fiber run
+ * jobs on their own stack; that nesting used to run off the stack (SIGSEGV). It now stops
+ * starting jobs with a quarter of the stack left: the tree completes (release builds here), or,
+ * where frames are larger (ASan builds), the waits stall and say so (SP_ERR_STALLED); the child
+ * is then stopped after 15 s. Never a crash. Run in a child, whose stderr is read. */
+static sp_jobs *tree_s;
+
+static void tree_node(void *arg) {
+    intptr_t depth = (intptr_t)arg;
+    if (depth == 0) return;
+    sp_counter *c = sp_counter_create(tree_s, "children");
+    sp_job_desc d[3];
+    for (int i = 0; i < 3; i++) {
+        d[i] = jt_job(tree_node, (void *)(depth - 1), "node");
+        d[i].pinned = i == 2 && depth % 2; /* on odd levels the third child runs where it must */
+        d[i].worker = (uint32_t)(depth % 3);
+    }
+    if (!c || sp_jobs_submit(tree_s, d, 3, c) != SP_OK) _exit(3);
+    sp_counter_wait(c, 0);
+    sp_counter_destroy(c);
+}
+
+static void test_audit_deep_tree(void) {
+    int fds[2];
+    if (pipe(fds) != 0) {
+        ok(0, "deep tree: pipe");
+        return;
+    }
+    pid_t pid = fork();
+    if (pid == 0) {
+        close(fds[0]);
+        dup2(fds[1], 2);
+        jt_log_release(); /* the default logger: stderr */
+        signal(SIGALRM, SIG_DFL); /* not the parent's deadline handler */
+        alarm(15);
+        sp_jobs_desc d = {.workers = 2};
+        if (sp_jobs_create(&tree_s, &d) != SP_OK) _exit(2);
+        sp_counter *root = sp_counter_create(tree_s, "root");
+        sp_job_desc j = jt_job(tree_node, (void *)8, "root");
+        if (!root || sp_jobs_submit(tree_s, &j, 1, root) != SP_OK) _exit(2);
+        sp_counter_wait(root, 0);
+        sp_jobs_status st;
+        sp_jobs_status_get(tree_s, &st);
+        _exit(st.jobs_run == 9841 ? 0 : 4);
+    }
+    close(fds[1]);
+    static char text[1 << 16];
+    ts_pipe_drain(fds[0], text, sizeof text);
+    close(fds[0]);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    bool done = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    bool told = WIFSIGNALED(status) && WTERMSIG(status) == SIGALRM &&
+                strstr(text, "SP_ERR_STALLED") != NULL;
+    ok(done || told, "fork-join 8 deep on 128 fibers: %s (exit %d, signal %d)",
+       done   ? "completed"
+       : told ? "stalled, reported"
+              : "failed",
+       WIFEXITED(status) ? WEXITSTATUS(status) : -1, WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+    if (!done && !told) diag("child stderr:\n%s", text);
+}
+
 int main(void) {
     jt_log_capture();
     sp_misuse_set_fatal(false);
@@ -651,6 +877,16 @@ int main(void) {
     jt_deadline("batch without a counter", 30);
     test_no_counter_waits(inl);
     test_no_counter_waits(two);
+    jt_deadline("audit: misuse", 30);
+    test_audit_misuse(inl);
+    test_audit_misuse(two);
+    jt_deadline("audit: destroy with a stalled batch", 30);
+    test_audit_stalled_destroy(inl);
+    test_audit_stalled_destroy(two);
+    jt_deadline("audit: a sleep hook that signals", 30);
+    test_audit_sleep_hook();
+    jt_deadline("audit: a deep fork-join tree", 60);
+    test_audit_deep_tree();
     alarm(0);
     jt_log_release();
     return done();
