@@ -232,7 +232,8 @@ void sp_tcache_status_get(sp_tcache_status *out);
  * included). Either pointer may be NULL. All zero before init. */
 void sp_tcache_heap_status(sp_tlsf_status *spans, sp_tlsf_status *large);
 
-/* For the malloc drop-in (fork safety): take every global lock / release them in the parent /
+/* For the malloc drop-in (fork safety): take every global lock and every cache's own / release
+ * them in the parent /
  * re-initialise them in the child. The child keeps only the forking thread's cache; spans of
  * the other threads stay owned by caches that no longer run. */
 void sp_tcache_fork_prepare(void);

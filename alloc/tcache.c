@@ -1019,9 +1019,14 @@ void sp_tcache_fork_prepare(void) {
     sp_mutex_lock(&tc.fallback_lock);
     sp_mutex_lock(&tc.orphan_lock);
     heap_lock_all(true);
+    /* Every cache's list lock too (after reg_lock, as status takes them; nothing holding one
+     * takes another lock): a cache's ring half-changed by another thread at the fork would be
+     * the child's for good, and a walk of it (status) could loop forever. */
+    for (cache *c = tc.registry; c; c = c->reg_next) sp_mutex_lock(&c->lock);
 }
 
 void sp_tcache_fork_parent(void) {
+    for (cache *c = tc.registry; c; c = c->reg_next) sp_mutex_unlock(&c->lock);
     heap_lock_all(false);
     sp_mutex_unlock(&tc.orphan_lock);
     sp_mutex_unlock(&tc.fallback_lock);

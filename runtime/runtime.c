@@ -306,6 +306,17 @@ static void platform_stop(void) {
 }
 
 static sp_result heap_start(void) {
+    /* The caches set themselves up at their first use: one before sp_init (or after
+     * sp_shutdown) leaves them up, standalone, on memory of their own. */
+    sp_tlsf_status spans;
+    sp_tcache_heap_status(&spans, NULL);
+    if (spans.pool_count) {
+        sp_log(SP_LOG_ERROR, SP_ERR_INVALID_ARG, "sp_init", NULL,
+               "the thread caches are already in use, set up on their own by an allocation "
+               "through them (sp_tcache_*, or a spindle allocation on the way) before sp_init: "
+               "allocate only after sp_init, or call sp_tcache_shutdown first");
+        return SP_ERR_INVALID_ARG;
+    }
     sp_tcache_desc td = {.region = sp_rt.region[SP_REGION_HEAP].base,
                          .region_size = sp_rt.region[SP_REGION_HEAP].size,
                          .explicit_attach = true};

@@ -17,7 +17,7 @@ under() { LD_PRELOAD=$LIB SPINDLE_MALLOC_STATS=1 "$@" 2>>"$TMP/stats"; }
 served() { # the last report line of a process that allocated
     grep -q 'spindle-malloc: pid [0-9]* high_water [1-9]' "$TMP/stats"
 }
-echo "1..6"
+echo "1..7"
 
 # 1. A shell pipeline: sort and awk over 200,000 lines, the shell itself preloaded too.
 : >"$TMP/stats"
@@ -113,7 +113,13 @@ PY
 got=$(PYTHONMALLOC=malloc under python3 "$TMP/forky.py")
 ok $([[ $got == "forks 20 failed 0" ]] && served; echo $?) "fork while other threads allocate: '$got'"
 
-# 6. Nothing reported misuse along the way.
+# 6. The library exports the functions it replaces and the spindle API, no internal name
+#    (an exported `tc` or `heap_alloc` would take a program's symbol of that name).
+extra=$(nm -D --defined-only "$LIB" | awk '{ print $3 }' |
+    grep -vxE 'sp_.*|malloc|free|calloc|realloc|reallocarray|posix_memalign|aligned_alloc|memalign|valloc|pvalloc|malloc_usable_size|_init|_fini' | tr '\n' ' ')
+ok $([[ -z $extra ]]; echo $?) "exports only the malloc family and sp_* (others: '${extra}')"
+
+# 7. Nothing reported misuse along the way.
 ok $(! grep -q 'SP_ERR' "$TMP/stats"; echo $?) "no misuse reported by any of those processes"
 grep 'SP_ERR' "$TMP/stats" | head -5 | sed 's/^/# /'
 exit $failed

@@ -987,6 +987,32 @@ static void test_desc_sizes(void) {
     ts_log_release();
 }
 
+static atomic_int before_init_told;
+
+static void note_before_init(void *user, const sp_log_record *rec) {
+    (void)user;
+    if (rec->id == SP_ERR_INVALID_ARG && strstr(rec->message, "before sp_init"))
+        atomic_fetch_add(&before_init_told, 1);
+}
+
+/* The thread caches used before sp_init (they set themselves up, standalone): sp_init refuses,
+ * naming the cause, until sp_tcache_shutdown; then it starts. */
+static void test_caches_before_init(void) {
+    sp_tcache_free(sp_tcache_alloc(100));
+    sp_desc d = small_desc(1);
+    sp_log_set(note_before_init, NULL);
+    sp_result r = sp_init(&d);
+    sp_log_set(NULL, NULL);
+    bool told = atomic_load(&before_init_told) == 1;
+    ok(r == SP_ERR_INVALID_ARG && told,
+       "sp_init after the thread caches were used on their own: refused (%s), saying why",
+       sp_result_name(r));
+    size_t live = sp_tcache_shutdown();
+    r = sp_init(&d);
+    ok(live == 0 && r == SP_OK, "after sp_tcache_shutdown it starts (%s)", sp_result_name(r));
+    if (r == SP_OK) sp_shutdown();
+}
+
 int main(void) {
     test_before_init();
     test_regions();
@@ -1007,5 +1033,6 @@ int main(void) {
     test_frame_counter_misuse();
     test_exit_attached();
     test_desc_sizes();
+    test_caches_before_init();
     return done();
 }

@@ -5,6 +5,7 @@
  * to zero after trim. */
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "sp_tcache.h"
 #include "tcache_heap.h"
@@ -700,8 +701,40 @@ static void test_leak_check(void) {
     is_int(sp_tcache_shutdown(), 0, "shutdown: nothing leaked");
 }
 
+/* Fork safety: sp_tcache_fork_prepare takes every cache's list lock as well, so it waits for a
+ * thread that is changing its cache's span lists (white box: the lock held by hand here), and
+ * the child never inherits a list half-changed. */
+static atomic_int fork_stage, fork_released;
+
+static void *hold_own_cache_lock(void *arg) {
+    (void)arg;
+    sp_tcache_free(sp_tcache_alloc(64)); /* this thread's cache exists and is registered */
+    cache *c = (cache *)sp_tcache_tls;
+    sp_mutex_lock(&c->lock);
+    atomic_store(&fork_stage, 1);
+    usleep(200000); /* 200 ms: prepare must wait out all of it */
+    atomic_store(&fork_released, 1);
+    sp_mutex_unlock(&c->lock);
+    while (atomic_load(&fork_stage) != 2) sp_thread_yield();
+    return NULL;
+}
+
+static void test_fork_locks(void) {
+    sp_thread t;
+    atomic_store(&fork_stage, 0);
+    atomic_store(&fork_released, 0);
+    sp_thread_start(&t, hold_own_cache_lock, NULL, "sp-holder");
+    while (atomic_load(&fork_stage) != 1) sp_thread_yield();
+    sp_tcache_fork_prepare();
+    bool waited = atomic_load(&fork_released) == 1;
+    sp_tcache_fork_parent();
+    atomic_store(&fork_stage, 2);
+    sp_thread_join(t);
+    ok(waited, "fork_prepare waits for a thread that holds its cache's list lock");
+}
+
 int main(void) {
-    plan(51);
+    plan(52);
     sp_tcache_desc desc = {.region_size = (size_t)1 << 30, .keep_detached = 2};
     ok(sp_tcache_init(&desc) == SP_OK, "init");
     test_classes();
@@ -721,6 +754,7 @@ int main(void) {
     test_tidy_orphans_bounded();
     test_shutdown_refused();
     test_heap_status();
+    test_fork_locks();
     test_leak_check();
     sp_tlsf_status none[2];
     memset(none, 0xAB, sizeof none);
