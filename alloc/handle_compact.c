@@ -417,7 +417,7 @@ TRACK_INTERNAL sp_result sp_handle_compact(sp_handle_heap *h, uint64_t budget_ns
         st.budget_ticks = t < 1.0 ? 1 : t < 0x1p63 ? (uint64_t)t : 0;
     }
     bool wrapped = false, finished = false;
-    unsigned walked = 0;
+    unsigned walked = 0, holes_seen = 0;
     if (h->scan > h->top) h->scan = h->top;
     for (;;) {
         char *s = h->scan;
@@ -438,7 +438,8 @@ TRACK_INTERNAL sp_result sp_handle_compact(sp_handle_heap *h, uint64_t budget_ns
             if ((++walked & 63) == 0 && step_over(&st)) break;
             continue;
         }
-        if (step_over(&st)) break;
+        /* The first hole of the call always (every call makes progress), then the budget. */
+        if (holes_seen++ && step_over(&st)) break;
         int r = hole_close(h, &st, b);
         if (r == HOLE_STOP) break;
         if (r == HOLE_LEFT) {
@@ -453,8 +454,11 @@ TRACK_INTERNAL sp_result sp_handle_compact(sp_handle_heap *h, uint64_t budget_ns
         double left_ns = ((double)st.budget_ticks - (double)(sp_ticks() - st.t0)) * h->ns_per_tick;
         /* a finished pass may overrun by 5% to give back what it freed */
         if (finished && left_ns < (double)budget_ns / 20) left_ns = (double)budget_ns / 20;
-        if (left_ns >= TRIM_NS || finished)
-            space_trim(h, sp_align_down((size_t)(left_ns * TRIM_BYTES_PER_NS), HCOMMIT_STEP));
+        if (left_ns >= TRIM_NS || finished) {
+            double bytes = left_ns * TRIM_BYTES_PER_NS; /* clamped: a huge budget gives back all */
+            space_trim(h, bytes >= (double)SIZE_MAX ? SIZE_MAX
+                                                    : sp_align_down((size_t)bytes, HCOMMIT_STEP));
+        }
     }
     uint64_t ns = (uint64_t)((double)(sp_ticks() - st.t0) * h->ns_per_tick);
     h->moved_last = st.moved;

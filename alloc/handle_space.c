@@ -106,10 +106,14 @@ TRACK_INTERNAL void space_header(sp_handle_heap *h, hblk *b, uint32_t units, uin
 static void scan_note_hole(sp_handle_heap *h, char *start, uint32_t n) {
     h->caught_up = false;
     if (start >= h->scan) return;
-    if (h->scan < start + units_bytes(n))
+    if (h->scan < start + units_bytes(n)) {
         h->scan = start; /* the block the scan stood on was merged into this hole */
-    else if (!h->low || start < h->low)
+        /* A hole remembered at or above start is this one (or merged into it): the scan
+         * reaches it anyway, and a later pad or move could leave `low` inside a block. */
+        if (h->low && h->low >= start) h->low = NULL;
+    } else if (!h->low || start < h->low) {
         h->low = start;
+    }
 }
 
 TRACK_INTERNAL hblk *space_release(sp_handle_heap *h, hblk *b, uint32_t units) {
