@@ -73,8 +73,8 @@ typedef struct tcache_state {
     bool tss_ok;
 } tcache_state;
 
-extern tcache_state tc;
-extern span tcache_sentinel;
+SP_HIDDEN extern tcache_state tc;
+SP_HIDDEN extern span tcache_sentinel;
 
 /* Ring spans one sp_tcache_tidy looks at, at most, and orphans: a tidy runs every frame, and
  * a walk of every ring (or orphan list) was a cache and TLB miss per span (spans lie 256 KiB
@@ -83,35 +83,37 @@ extern span tcache_sentinel;
  * misses; a larger one returns emptied spans sooner, for proportionally more). */
 enum { TCACHE_TIDY_SPANS = 16 };
 
-uint32_t tcache_class_size(uint32_t k);
-uint32_t tcache_class_of(size_t n);
-bool tcache_init_default(void);
+SP_HIDDEN uint32_t tcache_class_size(uint32_t k);
+SP_HIDDEN uint32_t tcache_class_of(size_t n);
+SP_HIDDEN bool tcache_init_default(void);
 static inline bool tcache_ready(void) {
     return atomic_load_explicit(&tc.ready, memory_order_acquire) || tcache_init_default();
 }
 
 /* heap.c-like helpers (tcache_heap.c). */
-void heap_open(heap *h, const char *name, char *base, size_t limit);
-void heap_close(heap *h);
-void *heap_alloc(heap *h, size_t align, size_t size); /* grows the heap as needed */
+SP_HIDDEN void heap_open(heap *h, const char *name, char *base, size_t limit);
+SP_HIDDEN void heap_close(heap *h);
+SP_HIDDEN void *heap_alloc(heap *h, size_t align, size_t size); /* grows the heap as needed */
 /* A bad p is reported under `call` once the heap's lock is released, and nothing changes:
  * free frees nothing, usable returns 0, realloc NULL (as when p cannot grow in place). */
-void heap_free(heap *h, void *p, const char *call);
-size_t heap_usable(heap *h, const void *p, const char *call);
-void *heap_realloc(heap *h, void *p, size_t size, const char *call); /* NULL: not in place */
-void heap_status(heap *h, sp_tlsf_status *out);
-void heap_lock_all(bool lock);
+SP_HIDDEN void heap_free(heap *h, void *p, const char *call);
+SP_HIDDEN size_t heap_usable(heap *h, const void *p, const char *call);
+/* realloc: NULL when p cannot change in place */
+SP_HIDDEN void *heap_realloc(heap *h, void *p, size_t size, const char *call);
+SP_HIDDEN void heap_status(heap *h, sp_tlsf_status *out);
+SP_HIDDEN void heap_lock_all(bool lock);
 
-void tcache_cache_init(cache *c, uint64_t tid);
-void tcache_set_cur(cache *c, uint32_t k, span *s);
-void tcache_ring_remove(cache *c, span *s); /* c->lock held */
-span *tcache_spare_pop(uint32_t k);         /* a spare of class k, NULL if none; orphan lock held */
-void tcache_orphan_unlink(span *s);         /* off its orphan list; orphan lock held */
-void tcache_cache_drain(cache *c);
-size_t tcache_empty_release(cache *c);
-size_t tcache_span_emptied(cache *c, span *s); /* bytes returned: 0 if kept */
-uint32_t span_collect(span *s, cache *c);
-void span_release(span *s);
-bool tcache_block_check(span *s, const void *p, const char *call);
+SP_HIDDEN void tcache_cache_init(cache *c, uint64_t tid);
+SP_HIDDEN void tcache_set_cur(cache *c, uint32_t k, span *s);
+SP_HIDDEN void tcache_ring_remove(cache *c, span *s); /* c->lock held */
+/* A spare of class k, NULL if none; orphan lock held. */
+SP_HIDDEN span *tcache_spare_pop(uint32_t k);
+SP_HIDDEN void tcache_orphan_unlink(span *s); /* off its orphan list; orphan lock held */
+SP_HIDDEN void tcache_cache_drain(cache *c);
+SP_HIDDEN size_t tcache_empty_release(cache *c);
+SP_HIDDEN size_t tcache_span_emptied(cache *c, span *s); /* bytes returned: 0 if kept */
+SP_HIDDEN uint32_t span_collect(span *s, cache *c);
+SP_HIDDEN void span_release(span *s);
+SP_HIDDEN bool tcache_block_check(span *s, const void *p, const char *call);
 
 #endif

@@ -114,10 +114,10 @@ typedef struct cache {
  * previous binding. For single-threaded tests of two caches (the fuzz target): an owner
  * check compares caches, not threads. Not for production: the thread-exit hook still
  * detaches only caches created by sp_tcache_thread_attach. */
-sp_tcache *tcache_bind(sp_tcache *c);
+SP_HIDDEN sp_tcache *tcache_bind(sp_tcache *c);
 /* A new registered cache not bound to any thread, NULL if out of memory. */
-sp_tcache *tcache_create(void);
+SP_HIDDEN sp_tcache *tcache_create(void);
 /* Detach c as sp_tcache_thread_detach does (c must not be bound to any running thread). */
-void tcache_destroy(sp_tcache *c);
+SP_HIDDEN void tcache_destroy(sp_tcache *c);
 
 #endif
