@@ -417,7 +417,8 @@ TRACK_INTERNAL sp_result sp_handle_compact(sp_handle_heap *h, uint64_t budget_ns
         st.budget_ticks = t < 1.0 ? 1 : t < 0x1p63 ? (uint64_t)t : 0;
     }
     bool wrapped = false, finished = false;
-    unsigned walked = 0, holes_seen = 0;
+    unsigned walked = 0;
+    bool first_hole = true;
     if (h->scan > h->top) h->scan = h->top;
     for (;;) {
         char *s = h->scan;
@@ -439,7 +440,8 @@ TRACK_INTERNAL sp_result sp_handle_compact(sp_handle_heap *h, uint64_t budget_ns
             continue;
         }
         /* The first hole of the call always (every call makes progress), then the budget. */
-        if (holes_seen++ && step_over(&st)) break;
+        if (!first_hole && step_over(&st)) break;
+        first_hole = false;
         int r = hole_close(h, &st, b);
         if (r == HOLE_STOP) break;
         if (r == HOLE_LEFT) {

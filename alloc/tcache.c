@@ -673,8 +673,6 @@ void *sp_tcache_aligned_alloc(size_t align, size_t size) {
 
 /* ---- free ------------------------------------------------------------------------------- */
 
-/* Check that p is a live block of span s (every build). Reports misuse under `call` and
- * returns false otherwise. */
 /* What is wrong with p as a live block of span s: SP_OK (nothing), SP_ERR_INVALID_POINTER
  * (no span in use there, or not the start of a carved block) or SP_ERR_DOUBLE_FREE. Reports
  * nothing. */

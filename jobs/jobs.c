@@ -79,16 +79,15 @@ static void abandon_waiters(sp_jobs *s) {
                        fiber ? "job" : "deferred batch starting with job",
                        name ? name : "(unnamed)", c->name ? c->name : "(unnamed)",
                        (long long)atomic_load(&c->value), (long long)wt->target);
-                if (fiber) {
-                    batch *b = jb->kind == JOB_BATCH ? jb->batch : NULL;
+                if (fiber)
                     sp_fiber_release(s->pool, jb->fiber); /* wt lived on that stack */
-                    if (b && atomic_fetch_sub(&b->pieces, 1) == 1) free(b); /* never resumes */
-                } else {
+                else
                     atomic_fetch_sub(&s->deferred, wt->count);
-                    job *first = wt->job; /* wt lives in this record */
-                    if (first->kind == JOB_BATCH && atomic_fetch_sub(&first->batch->pieces, 1) == 1)
-                        free(first->batch); /* the copy of the descs: it will never run */
-                }
+                /* A batch's piece (parked, or the deferred batch itself) will never run on:
+                 * the copy of the descs goes with its last piece. jb is a record, not on the
+                 * released stack. */
+                if (jb->kind == JOB_BATCH && atomic_fetch_sub(&jb->batch->pieces, 1) == 1)
+                    free(jb->batch);
             }
         }
     }
@@ -139,12 +138,19 @@ void jobs_drain_check(sp_jobs *s) {
     if (finished && !atomic_exchange(&s->drained, 1)) counter_lower(s->drain, 1);
 }
 
-sp_result sp_jobs_shutdown(sp_jobs *s) {
-    if (!s) return SP_ERR_INVALID_ARG;
+/* The calls of the main thread outside jobs: SP_OK there, else misuse under `call`. */
+static sp_result main_thread_only(sp_jobs *s, const char *call) {
     worker *w = jobs_current_worker();
     if (SP_UNLIKELY(!w || w != &s->workers[0] || w->current_job))
-        return sp_misuse(SP_ERR_INVALID_ARG, "sp_jobs_shutdown", s,
+        return sp_misuse(SP_ERR_INVALID_ARG, call, s,
                          "called from a job or from a thread other than the main thread");
+    return SP_OK;
+}
+
+sp_result sp_jobs_shutdown(sp_jobs *s) {
+    if (!s) return SP_ERR_INVALID_ARG;
+    if (main_thread_only(s, "sp_jobs_shutdown") != SP_OK) return SP_ERR_INVALID_ARG;
+    worker *w = &s->workers[0];
     if (atomic_exchange(&s->closing, 1)) return SP_ERR_SHUTDOWN;
     /* Drain: the main thread runs jobs until its loop sees nothing outstanding. */
     atomic_fetch_add(&s->drain->value, 1);
@@ -357,19 +363,10 @@ fail:
 
 void sp_jobs_destroy(sp_jobs *s) {
     if (!s) return;
-    worker *w = jobs_current_worker();
-    if (SP_UNLIKELY(w != &s->workers[0] || w->current_job)) {
-        sp_misuse(SP_ERR_INVALID_ARG, "sp_jobs_destroy", s,
-                  "called from a job or from a thread other than the main thread: not destroyed");
-        return;
-    }
-    if (!atomic_load(&s->stopped)) {
-        sp_result r = sp_jobs_shutdown(s); /* stalled jobs are reported and abandoned there */
-        if (r == SP_ERR_INVALID_ARG) return; /* misuse, reported */
-    }
-    worker *main = &s->workers[0];
-    sp_fiber_thread_leave(main->thread_fiber);
-    if (jobs_current_worker() == main) jobs_set_current_worker(NULL);
+    if (main_thread_only(s, "sp_jobs_destroy") != SP_OK) return; /* nothing freed */
+    if (!atomic_load(&s->stopped)) sp_jobs_shutdown(s); /* stalled jobs: reported, abandoned */
+    sp_fiber_thread_leave(s->workers[0].thread_fiber);
+    jobs_set_current_worker(NULL);
     jobs_free(s);
 }
 

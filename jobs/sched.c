@@ -175,11 +175,11 @@ static void worker_idle(sp_jobs *s, worker *w, sp_counter *c, int64_t target) {
     if (!has_work(s, w)) {
         const sp_jobs_hooks *h = &s->desc.hooks;
         stat_inc(&w->sleeps);
-        if (h->worker_sleep) h->worker_sleep(h->user, w->id);
-        uint64_t timeout = c ? 100000 : w->id == 0 && atomic_load(&s->closing) ? 1000000 : 0;
-        /* has_work again: the hook may have made a job ready here (a counter it signalled
+        /* After the hook, look again: it may have made a job ready here (a counter it signalled
          * resumes its parked job on this worker, where no push wakes anyone). */
-        while (atomic_load(&w->sleep) == 1 && !has_work(s, w)) {
+        bool ready = h->worker_sleep && (h->worker_sleep(h->user, w->id), has_work(s, w));
+        uint64_t timeout = c ? 100000 : w->id == 0 && atomic_load(&s->closing) ? 1000000 : 0;
+        while (!ready && atomic_load(&w->sleep) == 1) {
             sp_futex_wait((uint32_t *)&w->sleep, 1, timeout);
             if (timeout) break;
         }
@@ -710,9 +710,7 @@ SP_COLD static void nest_report(sp_jobs *s, sp_counter *c) {
 /* A nested wait that may start no job: once no job has finished anywhere for a second, say
  * so (SP_ERR_STALLED, once per scheduler); the wait goes on. */
 SP_COLD static void stall_check(sp_jobs *s, sp_counter *c, uint64_t *seen, uint64_t *since) {
-    uint64_t run = 0, now = sp_time_ns();
-    for (uint32_t i = 0; i <= s->nworkers; i++)
-        run += atomic_load_explicit(&s->workers[i].done, memory_order_relaxed);
+    uint64_t run = sp_jobs_run_count(s), now = sp_time_ns();
     if (run != *seen) {
         *seen = run;
         *since = now;
@@ -725,19 +723,40 @@ SP_COLD static void stall_check(sp_jobs *s, sp_counter *c, uint64_t *seen, uint6
     }
 }
 
-/* No fiber to park on: run other jobs on this stack until c reaches target; with less than a
- * quarter of the stack left, only resume parked jobs (a switch, not a nesting) and wait. */
+/* No fiber to park on: run other jobs on this stack until c reaches target. With less than a
+ * quarter of the stack left (decided once: this frame stays where it is), only resume parked
+ * jobs (a switch, not a nesting): the new jobs a sweep finds (up to ASIDE_MAX) are set aside
+ * and handed back to every worker in one push before a parked job runs or the wait naps. */
+enum { ASIDE_MAX = 64 };
 static void wait_nested(sp_jobs *s, worker *w, job *me, sp_counter *c, int64_t target) {
     exhaustion_report(s, w, c);
     piece_give_back(s, w, me);
+    const bool room = stack_room(w);
+    if (!room) nest_report(s, c);
+    job *aside = NULL;
+    uint32_t aside_n = 0;
     uint64_t seen = UINT64_MAX, since = 0; /* jobs run anywhere, and when that last changed */
     while (!counter_reached(c, target)) {
         job *k = find_work(s, w);
-        if (k && !k->fiber && !stack_room(w)) {
-            nest_report(s, c);
-            jobs_chain_push(s, NULL, (k->next = NULL, k)); /* queued for all: behind ready ones */
+        if (k && !k->fiber && !room && aside_n < ASIDE_MAX) {
+            k->next = aside;
+            aside = k;
+            aside_n++;
+            continue;
+        }
+        if (aside) {
+            jobs_chain_push(s, NULL, aside); /* queued for all workers */
+            aside = NULL;
+            aside_n = 0;
+        }
+        if (k && !k->fiber && !room) { /* the sweep's cap: this one goes back too */
+            jobs_chain_push(s, NULL, (k->next = NULL, k));
+            k = NULL;
+        }
+        if (!k && !room) { /* nothing to resume: nap 100 us, then sweep again */
             stall_check(s, c, &seen, &since);
-            worker_idle(s, w, c, target);
+            uint32_t nap = 0;
+            sp_futex_wait(&nap, 0, 100000);
         } else if (k && k->fiber) {
             /* A parked job is ready: park ourselves and switch straight to it. */
             if (!job_park(s, w, me, c, target, k->fiber, k))

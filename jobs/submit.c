@@ -17,10 +17,12 @@ static sp_result submit(sp_jobs *s, sp_counter *after, int64_t after_target, con
         return jobs_counter_dead(counter, call, "`counter`");
     if (SP_UNLIKELY(after && !counter_live(after)))
         return jobs_counter_dead(after, call, "`after`");
-    if (SP_UNLIKELY((counter && counter->s != s) || (after && after->s != s)))
-        return sp_misuse(SP_ERR_INVALID_ARG, call, counter && counter->s != s ? counter : after,
-                         "%s belongs to another scheduler: nothing submitted",
-                         counter && counter->s != s ? "`counter`" : "`after`");
+    if (SP_UNLIKELY(counter && counter->s != s))
+        return sp_misuse(SP_ERR_INVALID_ARG, call, counter,
+                         "`counter` belongs to another scheduler: nothing submitted");
+    if (SP_UNLIKELY(after && after->s != s))
+        return sp_misuse(SP_ERR_INVALID_ARG, call, after,
+                         "`after` belongs to another scheduler: nothing submitted");
     if (SP_UNLIKELY(after && after == counter))
         return sp_misuse(SP_ERR_INVALID_ARG, call, after,
                          "`after` is the batch's own `counter`: the batch would wait on itself; "

@@ -3,6 +3,7 @@
  * and the QSBR plumbing (worker hooks, sp_retire, the reclaimer thread). */
 #include "jobs_internal.h"
 #include "runtime_internal.h"
+#include "tcache_heap.h" /* tc.ready: whether the thread caches are up */
 
 #include <stdlib.h>
 #include <string.h>
@@ -307,14 +308,12 @@ static void platform_stop(void) {
 
 static sp_result heap_start(void) {
     /* The caches set themselves up at their first use: one before sp_init (or after
-     * sp_shutdown) leaves them up, standalone, on memory of their own. */
-    sp_tlsf_status spans;
-    sp_tcache_heap_status(&spans, NULL);
-    if (spans.pool_count) {
+     * sp_shutdown), or a direct sp_tcache_init, leaves them up on memory of their own. */
+    if (atomic_load_explicit(&tc.ready, memory_order_acquire)) {
         sp_log(SP_LOG_ERROR, SP_ERR_INVALID_ARG, "sp_init", NULL,
-               "the thread caches are already in use, set up on their own by an allocation "
-               "through them (sp_tcache_*, or a spindle allocation on the way) before sp_init: "
-               "allocate only after sp_init, or call sp_tcache_shutdown first");
+               "the thread caches are already up before sp_init (sp_tcache_init, or set up "
+               "on their own by a first allocation through them): allocate only after "
+               "sp_init, or call sp_tcache_shutdown first");
         return SP_ERR_INVALID_ARG;
     }
     sp_tcache_desc td = {.region = sp_rt.region[SP_REGION_HEAP].base,

@@ -63,8 +63,9 @@
  * Errors: calls before sp_init or after sp_shutdown, sp_init twice and sp_shutdown twice are
  * logged (SP_ERR_SHUTDOWN / SP_ERR_INVALID_ARG) and return an error or NULL; they never abort.
  * The thread caches set themselves up, standalone, at their first use: an allocation through
- * them before sp_init (or after sp_shutdown, before the next sp_init) makes sp_init fail
- * (SP_ERR_INVALID_ARG, the central heap named, logged) until sp_tcache_shutdown.
+ * them before sp_init (or after sp_shutdown, before the next sp_init), like a direct
+ * sp_tcache_init, makes sp_init fail (SP_ERR_INVALID_ARG, the central heap named, logged)
+ * until sp_tcache_shutdown.
  * sp_frame_begin, sp_frame_end and sp_shutdown called from sp_frame_end's between-frames step
  * are refused the same way (SP_ERR_INVALID_ARG).
  */
