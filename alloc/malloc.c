@@ -2,7 +2,11 @@
  *
  * malloc, free, calloc, realloc, reallocarray, posix_memalign, aligned_alloc, memalign,
  * valloc, pvalloc and malloc_usable_size, with glibc's conventions (errno ENOMEM on failure,
- * EINVAL for bad alignments, realloc(p, 0) frees). Everything initialises on the first call
+ * realloc(p, 0) frees). Alignments: EINVAL for what the call does not accept at all (not a
+ * power of two, or for posix_memalign not a multiple of sizeof(void *); memalign rounds up and
+ * refuses only above SIZE_MAX / 2 + 1), ENOMEM for a valid alignment above the caches' 1 GiB
+ * (SP_TCACHE_MAX_ALIGN): a request that cannot be served, as POSIX reserves EINVAL for the
+ * alignment's form. Everything initialises on the first call
  * without allocating through malloc (mmap, a futex lock, a C11 tss key); threads attach on
  * their first allocation and detach at exit; frees that later thread-exit code makes (other
  * destructors, libc's own) go through a shared fallback cache. fork: pthread_atfork handlers
@@ -59,14 +63,20 @@ EXPORT void *reallocarray(void *p, size_t n, size_t size) {
     return realloc(p, bytes);
 }
 
+/* align: a power of two. */
 static void *aligned(size_t align, size_t size) {
+    if (align > SP_TCACHE_MAX_ALIGN) {
+        errno = ENOMEM;
+        return NULL;
+    }
     void *p = sp_tcache_aligned_alloc(align, size);
     if (!p) errno = ENOMEM;
     return p;
 }
 
 EXPORT int posix_memalign(void **out, size_t align, size_t size) {
-    if (!sp_is_pow2(align) || align % sizeof(void *) || align > ((size_t)1 << 30)) return EINVAL;
+    if (!sp_is_pow2(align) || align % sizeof(void *)) return EINVAL;
+    if (align > SP_TCACHE_MAX_ALIGN) return ENOMEM;
     void *p = sp_tcache_aligned_alloc(align, size);
     if (!p) return ENOMEM;
     *out = p;
@@ -74,7 +84,7 @@ EXPORT int posix_memalign(void **out, size_t align, size_t size) {
 }
 
 EXPORT void *aligned_alloc(size_t align, size_t size) {
-    if (!sp_is_pow2(align) || align > ((size_t)1 << 30)) {
+    if (!sp_is_pow2(align)) {
         errno = EINVAL;
         return NULL;
     }
@@ -83,7 +93,7 @@ EXPORT void *aligned_alloc(size_t align, size_t size) {
 
 /* glibc's memalign takes any alignment and rounds it up to a power of two. */
 EXPORT void *memalign(size_t align, size_t size) {
-    if (align > ((size_t)1 << 30)) {
+    if (align > SIZE_MAX / 2 + 1) {
         errno = EINVAL;
         return NULL;
     }
