@@ -40,14 +40,18 @@ struct sp_fiber {
     unsigned valgrind_id;  /* VALGRIND_STACK_REGISTER id */
 };
 
-/* Invariants: fibers[i].stack_lo = region + page + i * (stack_size + page); the pages at
- * region + i * (stack_size + page) and the last page of the region are guards. A fiber is on
- * the free list iff its state is FIBER_FREE; in_use counts the others. */
+/* Invariants: fibers[i].stack_lo = region + page + i * (stack_size + page) for i < count; the
+ * region is reserved for max fibers (inaccessible), the first count slots are made, each a
+ * guard page and a committed stack, and the page above the last made stack is still
+ * inaccessible. A made fiber is on the free list iff its state is FIBER_FREE; in_use counts
+ * the others. count only grows (under lock; read without it by pool_owns: a fiber that is
+ * passed in was acquired after its slot was made). */
 struct sp_fiber_pool {
-    sp_mutex lock; /* free, in_use, every fiber's state and next_free */
+    sp_mutex lock; /* free, in_use, count, every fiber's state and next_free */
     sp_fiber *free;
     uint32_t in_use;
-    uint32_t count;
+    uint32_t count; /* fibers made so far */
+    uint32_t max;   /* the most it may make */
     size_t stack_size;
     char *region;
     size_t region_size;
@@ -135,43 +139,22 @@ static bool size_mul_add(size_t a, size_t b, size_t c, size_t *out) {
     return true;
 }
 
-sp_result sp_fiber_pool_create(sp_fiber_pool **out, uint32_t count, size_t stack_size) {
-    if (out) *out = NULL;
-    if (SP_UNLIKELY(!out || count == 0 || stack_size == 0))
-        return sp_misuse(SP_ERR_INVALID_ARG, "sp_fiber_pool_create", out,
-                         "out %p, count %u, stack_size %zu: none may be NULL or 0", (void *)out,
-                         count, stack_size);
-    const size_t page = sp_page_size();
-    size_t stack = sp_align_up(stack_size, page), slot, region_size, bytes;
-    if (SP_UNLIKELY(stack < stack_size || !size_mul_add(count, stack + page, page, &region_size) ||
-                    !size_mul_add(count, sizeof(sp_fiber), sizeof(sp_fiber_pool), &bytes))) {
-        sp_log(SP_LOG_WARN, SP_ERR_OVERFLOW, "sp_fiber_pool_create", NULL,
-               "%u fibers of %zu bytes overflow the address space", count, stack_size);
-        return SP_ERR_OVERFLOW;
-    }
-    slot = stack + page;
-    sp_fiber_pool *pool = calloc(1, bytes);
-    if (SP_UNLIKELY(!pool)) {
-        sp_log(SP_LOG_WARN, SP_ERR_NOMEM, "sp_fiber_pool_create", NULL,
-               "no memory for %u fiber records", count);
-        return SP_ERR_NOMEM;
-    }
-    char *region = sp_vm_reserve(region_size, 0, false, NULL);
-    sp_result r = region ? sp_vm_commit(region, region_size) : SP_ERR_OS;
-    for (uint32_t i = 0; r == SP_OK && i <= count; i++) r = sp_vm_guard(region + i * slot, page);
-    if (SP_UNLIKELY(r != SP_OK)) { /* each failing call has logged why */
-        if (region) sp_vm_release(region, region_size);
-        free(pool);
+/* Make fibers [pool->count, to): commit their stacks, guard the page below each, set up their
+ * records and push them on the free list. Lock held (or the pool not yet shared). */
+static sp_result pool_make(sp_fiber_pool *pool, uint32_t to) {
+    const size_t page = sp_page_size(), stack = pool->stack_size, slot = stack + page;
+    uint32_t from = pool->count;
+    char *lo = pool->region + from * slot;
+    sp_result r = sp_vm_commit(lo, (to - from) * slot);
+    for (uint32_t i = from; r == SP_OK && i < to; i++) r = sp_vm_guard(pool->region + i * slot, page);
+    if (SP_UNLIKELY(r != SP_OK)) { /* back to inaccessible: the slots stay unmade */
+        sp_vm_guard(lo, (to - from) * slot);
         return r;
     }
-    pool->count = count;
-    pool->stack_size = stack;
-    pool->region = region;
-    pool->region_size = region_size;
-    for (uint32_t i = count; i-- > 0;) {
+    for (uint32_t i = to; i-- > from;) {
         sp_fiber *f = &pool->fibers[i];
         f->pool = pool;
-        f->stack_lo = region + page + i * slot;
+        f->stack_lo = pool->region + page + i * slot;
         f->stack_size = stack;
         f->asan_lo = f->stack_lo;
         f->asan_size = stack;
@@ -183,6 +166,46 @@ sp_result sp_fiber_pool_create(sp_fiber_pool **out, uint32_t count, size_t stack
 #endif
         f->next_free = pool->free;
         pool->free = f;
+    }
+    __atomic_store_n(&pool->count, to, __ATOMIC_RELEASE);
+    return SP_OK;
+}
+
+sp_result sp_fiber_pool_create(sp_fiber_pool **out, uint32_t count, size_t stack_size) {
+    return sp_fiber_pool_create_growing(out, count, count, stack_size);
+}
+
+sp_result sp_fiber_pool_create_growing(sp_fiber_pool **out, uint32_t count, uint32_t max,
+                                       size_t stack_size) {
+    if (out) *out = NULL;
+    if (SP_UNLIKELY(!out || count == 0 || stack_size == 0 || max < count))
+        return sp_misuse(SP_ERR_INVALID_ARG, "sp_fiber_pool_create", out,
+                         "out %p, count %u, max %u, stack_size %zu: none may be NULL or 0, and "
+                         "max may not be below count",
+                         (void *)out, count, max, stack_size);
+    const size_t page = sp_page_size();
+    size_t stack = sp_align_up(stack_size, page), region_size, bytes;
+    if (SP_UNLIKELY(stack < stack_size || !size_mul_add(max, stack + page, page, &region_size) ||
+                    !size_mul_add(max, sizeof(sp_fiber), sizeof(sp_fiber_pool), &bytes))) {
+        sp_log(SP_LOG_WARN, SP_ERR_OVERFLOW, "sp_fiber_pool_create", NULL,
+               "%u fibers of %zu bytes overflow the address space", max, stack_size);
+        return SP_ERR_OVERFLOW;
+    }
+    sp_fiber_pool *pool = calloc(1, bytes);
+    if (SP_UNLIKELY(!pool)) {
+        sp_log(SP_LOG_WARN, SP_ERR_NOMEM, "sp_fiber_pool_create", NULL,
+               "no memory for %u fiber records", max);
+        return SP_ERR_NOMEM;
+    }
+    pool->max = max;
+    pool->stack_size = stack;
+    pool->region_size = region_size;
+    pool->region = sp_vm_reserve(region_size, 0, false, NULL);
+    sp_result r = pool->region ? pool_make(pool, count) : SP_ERR_OS;
+    if (SP_UNLIKELY(r != SP_OK)) { /* each failing call has logged why */
+        if (pool->region) sp_vm_release(pool->region, region_size);
+        free(pool);
+        return r;
     }
     *out = pool;
     return SP_OK;
@@ -219,6 +242,14 @@ sp_fiber *sp_fiber_acquire(sp_fiber_pool *pool, sp_fiber_fn fn, void *arg) {
         return NULL;
     }
     sp_mutex_lock(&pool->lock);
+    sp_result grown = SP_OK;
+    if (SP_UNLIKELY(!pool->free && pool->count < pool->max)) {
+        /* Double, up to max: a tree of waits deeper than the pool gets the fibers it needs. */
+        uint32_t to = pool->count <= pool->max - pool->count ? 2 * pool->count : pool->max;
+        grown = pool_make(pool, to);
+        if (grown != SP_OK) pool->max = pool->count; /* tried once: no retry on every call */
+    }
+    uint32_t count = pool->count;
     sp_fiber *f = pool->free;
     if (SP_LIKELY(f)) {
         pool->free = f->next_free;
@@ -226,6 +257,9 @@ sp_fiber *sp_fiber_acquire(sp_fiber_pool *pool, sp_fiber_fn fn, void *arg) {
         __atomic_store_n(&f->state, FIBER_ACQUIRED, __ATOMIC_RELAXED);
     }
     sp_mutex_unlock(&pool->lock);
+    if (SP_UNLIKELY(grown != SP_OK)) /* pool_make logged the system call's failure */
+        sp_log(SP_LOG_WARN, grown, "sp_fiber_acquire", pool,
+               "the fiber pool could not grow beyond %u fibers (it stays at that size)", count);
     if (SP_UNLIKELY(!f)) return NULL;
         /* The previous life's frames were abandoned mid-stack: their ASan redzones are still
          * poisoned, and their fake stack (if any) is dropped with them. */
@@ -243,7 +277,8 @@ sp_fiber *sp_fiber_acquire(sp_fiber_pool *pool, sp_fiber_fn fn, void *arg) {
 /* Whether f points at one of pool's fiber records. */
 static bool pool_owns(const sp_fiber_pool *pool, const sp_fiber *f) {
     uintptr_t p = (uintptr_t)f, lo = (uintptr_t)pool->fibers;
-    return p >= lo && p < lo + (uintptr_t)pool->count * sizeof(sp_fiber) &&
+    uint32_t count = __atomic_load_n(&pool->count, __ATOMIC_ACQUIRE);
+    return p >= lo && p < lo + (uintptr_t)count * sizeof(sp_fiber) &&
            (p - lo) % sizeof(sp_fiber) == 0;
 }
 
@@ -272,6 +307,10 @@ uint32_t sp_fiber_pool_in_use(sp_fiber_pool *pool) {
     uint32_t n = pool->in_use;
     sp_mutex_unlock(&pool->lock);
     return n;
+}
+
+uint32_t sp_fiber_pool_count(sp_fiber_pool *pool) {
+    return __atomic_load_n(&pool->count, __ATOMIC_ACQUIRE);
 }
 
 void sp_fiber_stack(const sp_fiber *fiber, void **lo, size_t *size) {

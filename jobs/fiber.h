@@ -74,15 +74,25 @@ typedef void (*sp_fiber_fn)(sp_fiber *self, void *arg);
  * SP_ERR_OVERFLOW, SP_ERR_NOMEM or SP_ERR_OS with *out NULL. */
 sp_result sp_fiber_pool_create(sp_fiber_pool **out, uint32_t count, size_t stack_size);
 
+/* The same, for a pool that grows: it starts with `count` fibers and, when an acquire finds
+ * every fiber in use, doubles (up to `max`) under the pool's lock (a commit, an mprotect per
+ * new fiber and their records set up: tens of microseconds for that one acquire). The address
+ * space and records for max fibers are reserved at create; fibers are never unmade before
+ * destroy. A growth that fails (logged: SP_LOG_WARN, the system call's id) stops the growing;
+ * the acquire then returns NULL as for a full pool. max < count is misuse
+ * (SP_ERR_INVALID_ARG). */
+sp_result sp_fiber_pool_create_growing(sp_fiber_pool **out, uint32_t count, uint32_t max,
+                                       size_t stack_size);
+
 /* Destroy a pool and unmap its stacks. Every fiber must have been released: otherwise that is
  * misuse (SP_ERR_INVALID_ARG) and the pool is left as it was. NULL is ignored. */
 void sp_fiber_pool_destroy(sp_fiber_pool *pool);
 
 /* Take a free fiber from the pool and make it start fn(fiber, arg) on its first switch to it.
  * Any thread; does not switch. Cost: an uncontended mutex lock/unlock (two atomics) and a
- * 200-byte context reset; under ASan also unpoisoning the stack's shadow. Returns NULL when
- * every fiber is in use (not logged: the caller decides), or on misuse (NULL pool or fn,
- * SP_ERR_INVALID_ARG). */
+ * 200-byte context reset; under ASan also unpoisoning the stack's shadow (plus a growth, for a
+ * growing pool that is full). Returns NULL when every fiber is in use and the pool cannot grow
+ * (not logged: the caller decides), or on misuse (NULL pool or fn, SP_ERR_INVALID_ARG). */
 sp_fiber *sp_fiber_acquire(sp_fiber_pool *pool, sp_fiber_fn fn, void *arg);
 
 /* Give a fiber back to its pool. Its stack is abandoned as it is: the fiber must be suspended
@@ -94,6 +104,9 @@ void sp_fiber_release(sp_fiber_pool *pool, sp_fiber *fiber);
 
 /* Fibers of the pool currently acquired (for statistics and leak checks). Any thread. */
 uint32_t sp_fiber_pool_in_use(sp_fiber_pool *pool);
+
+/* Fibers the pool has made so far (count, and more once it grew). Any thread, no lock. */
+uint32_t sp_fiber_pool_count(sp_fiber_pool *pool);
 
 /* A fiber handle for the calling thread's own stack, so it can switch to pooled fibers and be
  * switched back to. Cost: one small heap allocation. Returns NULL if out of memory. */

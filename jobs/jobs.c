@@ -232,6 +232,9 @@ static sp_result desc_resolve(sp_jobs_desc *d) {
     if (d->workers > MAX_WORKERS - 1) return SP_ERR_INVALID_ARG;
     if (d->fibers == 0) d->fibers = 128;
     if (d->fibers < d->workers + 2) return SP_ERR_INVALID_ARG;
+    if (d->fibers_max == 0)
+        d->fibers_max = d->fibers <= UINT32_MAX / 32 ? 32 * d->fibers : UINT32_MAX;
+    if (d->fibers_max < d->fibers) return SP_ERR_INVALID_ARG;
     if (d->fiber_stack == 0) d->fiber_stack = 256 * 1024;
     if (d->max_jobs == 0) d->max_jobs = 65536;
     if (d->deque_size == 0) d->deque_size = 4096;
@@ -269,8 +272,9 @@ sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc) {
     if (SP_UNLIKELY(desc_resolve(&d) != SP_OK))
         return sp_misuse(SP_ERR_INVALID_ARG, "sp_jobs_create", desc,
                          "bad desc: workers %u (at most %d), fibers %u (at least workers + 2), "
-                         "deque_size %u (a power of two up to 2^24)",
-                         d.workers, MAX_WORKERS - 1, d.fibers, d.deque_size);
+                         "fibers_max %u (0, or at least fibers), deque_size %u (a power of two "
+                         "up to 2^24)",
+                         d.workers, MAX_WORKERS - 1, d.fibers, d.fibers_max, d.deque_size);
     sp_jobs *s = aligned_alloc(64, sp_align_up(sizeof *s, 64));
     if (!s) return SP_ERR_NOMEM;
     memset(s, 0, sizeof *s);
@@ -280,7 +284,7 @@ sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc) {
     size_t wbytes = sp_align_up((s->nworkers + 1) * sizeof(worker), 64);
     s->workers = aligned_alloc(64, wbytes);
     s->records = calloc(d.max_jobs, sizeof(job));
-    s->spares = calloc(d.fibers, sizeof(sp_fiber *));
+    s->spares = calloc(d.fibers_max, sizeof(sp_fiber *));
     if (!s->workers || !s->records || !s->spares) goto fail;
     memset(s->workers, 0, wbytes);
     for (uint32_t i = d.max_jobs; i-- > 0;) {
@@ -309,7 +313,7 @@ sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc) {
             w->deque[rk] = sp_deque_init(mem, d.deque_size);
         }
     }
-    r = sp_fiber_pool_create(&s->pool, d.fibers, d.fiber_stack);
+    r = sp_fiber_pool_create_growing(&s->pool, d.fibers, d.fibers_max, d.fiber_stack);
     if (r != SP_OK) goto fail;
     s->drain = sp_counter_create(s, "sp_jobs_shutdown");
     if (!s->drain) {
@@ -384,5 +388,5 @@ void sp_jobs_status_get(sp_jobs *s, sp_jobs_status *out) {
     out->sleeps = SUM(s, sleeps);
     out->fiber_exhaustions = (uint32_t)SUM(s, exhaustions);
     out->fibers_in_use = sp_fiber_pool_in_use(s->pool);
-    out->fibers_total = s->desc.fibers;
+    out->fibers_total = sp_fiber_pool_count(s->pool);
 }

@@ -679,10 +679,10 @@ SP_COLD static void exhaustion_report(sp_jobs *s, worker *w, sp_counter *c) {
     stat_inc(&w->exhaustions);
     if (atomic_exchange(&s->exhaustion_logged, 1)) return;
     sp_log(SP_LOG_WARN, SP_ERR_LIMIT, "sp_counter_wait", c,
-           "all %u fibers are in use (parked or running): a wait on counter '%s' runs other "
-           "jobs on its own stack until the counter is reached; raise sp_jobs_desc.fibers "
-           "(reported once)",
-           s->desc.fibers, c->name ? c->name : "(unnamed)");
+           "all %u fibers are in use (parked or running) and the pool cannot grow: a wait on "
+           "counter '%s' runs other jobs on its own stack until the counter is reached; raise "
+           "sp_jobs_desc.fibers_max (reported once)",
+           sp_fiber_pool_count(s->pool), c->name ? c->name : "(unnamed)");
 }
 
 /* Whether the running fiber's stack has room for one more job on top of this frame: a
@@ -703,8 +703,8 @@ SP_COLD static void nest_report(sp_jobs *s, sp_counter *c) {
            "a wait on counter '%s' that runs jobs on its own stack (all %u fibers in use) has "
            "less than a quarter of the stack (or 32 KiB) left: it starts no more jobs there, "
            "only resumes parked ones and waits, which deadlocks if every worker is there; "
-           "raise sp_jobs_desc.fibers or fiber_stack (reported once)",
-           c->name ? c->name : "(unnamed)", s->desc.fibers);
+           "raise sp_jobs_desc.fibers_max or fiber_stack (reported once)",
+           c->name ? c->name : "(unnamed)", sp_fiber_pool_count(s->pool));
 }
 
 /* A nested wait that may start no job: once no job has finished anywhere for a second, say
@@ -718,7 +718,7 @@ SP_COLD static void stall_check(sp_jobs *s, sp_counter *c, uint64_t *seen, uint6
         sp_log(SP_LOG_ERROR, SP_ERR_STALLED, "sp_counter_wait", c,
                "no job has finished for a second while waits on full fiber stacks start none: "
                "counter '%s' (value %lld) waits for jobs that need a fiber; raise "
-               "sp_jobs_desc.fibers (reported once)",
+               "sp_jobs_desc.fibers_max (reported once)",
                c->name ? c->name : "(unnamed)", (long long)atomic_load(&c->value));
     }
 }

@@ -113,7 +113,9 @@ typedef struct sp_jobs_desc {
     uint32_t workers;     /* background worker threads; 0 = default (CPU count), see no_workers */
     bool no_workers;      /* true: start no thread; every job runs on the main thread in its
                              waits (deterministic order) */
-    uint32_t fibers;      /* fiber pool size (default 128): bounds the jobs parked at once */
+    uint32_t fibers;      /* fibers made at create (default 128) */
+    uint32_t fibers_max;  /* the pool doubles on demand up to this (default 32 * fibers; set it
+                             to fibers for a fixed pool): bounds the jobs parked at once */
     size_t fiber_stack;   /* bytes per fiber stack (default 256 KiB; committed as touched) */
     uint32_t max_jobs;    /* job records in flight (default 65536): a job submitted alone,
                              pinned or in a mixed-priority batch takes one until it returns;
@@ -134,7 +136,7 @@ typedef struct sp_jobs_status {
     uint64_t jobs_stolen;
     uint64_t parks;         /* waits that parked a fiber */
     uint32_t fibers_in_use; /* acquired from the pool (running, parked or cached by a worker) */
-    uint32_t fibers_total;
+    uint32_t fibers_total;      /* made so far: fibers, more once the pool grew */
     uint32_t fiber_exhaustions; /* waits that found no free fiber and ran jobs on their stack */
     uint64_t sleeps;            /* futex sleeps of idle workers */
 } sp_jobs_status;
@@ -142,9 +144,11 @@ typedef struct sp_jobs_status {
 /* Create a scheduler; the calling thread becomes its main thread (worker 0). Main thread only.
  * Cost: thread starts, fiber pool reservation, job records. Returns SP_OK with *out set;
  * SP_ERR_INVALID_ARG (misuse, logged: NULL out, deque_size not a power of two or above 2^24,
- * more than 63 workers, fewer fibers than workers + 2), SP_ERR_LIMIT (the thread already
- * belongs to a scheduler), SP_ERR_NOMEM (also for a max_jobs too large to allocate), SP_ERR_OS (a
- * thread or the fiber pool could not be made; whatever started is stopped again). */
+ * more than 63 workers, fewer fibers than workers + 2, fibers_max below fibers), SP_ERR_LIMIT
+ * (the thread already belongs to a scheduler), SP_ERR_NOMEM (also for a max_jobs too large to
+ * allocate), SP_ERR_OS (a thread or the fiber pool could not be made; whatever started is
+ * stopped again). Address space for fibers_max stacks is reserved at create (1 GiB with the
+ * defaults: 4,096 of 256 KiB, nothing committed until the pool grows into them). */
 sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc);
 
 /* Run every pending job to completion (waiting, helping as the main thread), stop and join
@@ -253,8 +257,9 @@ int64_t sp_counter_value(const sp_counter *c);
 
 /* Return once the counter's value is <= target. Inside a job: parks the job's fiber and the
  * worker runs other jobs; the job may continue on another worker (see the migration rule).
- * If every fiber is in use the wait instead runs other jobs on the waiting job's own stack
- * until the counter is reached (logged once per scheduler, counted in fiber_exhaustions); with
+ * If every fiber is in use the pool grows (doubling, up to sp_jobs_desc.fibers_max); when it
+ * cannot, the wait instead runs other jobs on the waiting job's own stack until the counter
+ * is reached (logged once per scheduler, counted in fiber_exhaustions); with
  * less than a quarter of that stack (or 32 KiB) left it starts no more jobs there, only
  * resumes parked ones and waits (SP_ERR_LIMIT, logged once): a tree of waits deeper than the
  * fibers can hold then waits for fibers to come free, and if no job finishes anywhere for a

@@ -364,6 +364,65 @@ static void test_exhaustion(void) {
     sp_fiber_pool_destroy(pool);
 }
 
+/* A growing pool: 2 fibers, doubling to at most 5 when an acquire finds none free. Every
+ * fiber made runs, has its own stack with a gap (the guard) to the others, goes back to the
+ * pool and is acquired again; beyond 5, NULL. */
+static void test_growth(void) {
+    enum { START = 2, MAX = 5 };
+    sp_fiber_pool *pool = NULL;
+    is_int(sp_fiber_pool_create_growing(&pool, START, MAX, 16 * 1024), SP_OK,
+           "create a pool of 2 that grows to 5");
+    if (!pool) return;
+    is_int(sp_fiber_pool_count(pool), START, "2 fibers made at create");
+    sp_fiber *f[MAX];
+    uint32_t counts[MAX];
+    int got = 0;
+    for (int i = 0; i < MAX; i++) {
+        f[i] = sp_fiber_acquire(pool, idle_fn, NULL);
+        counts[i] = sp_fiber_pool_count(pool);
+        got += f[i] != NULL;
+    }
+    ok(got == MAX && counts[1] == 2 && counts[2] == 4 && counts[3] == 4 && counts[4] == 5,
+       "5 acquired; the pool made 2, then 4 (doubled), then 5 (its max): %u %u %u %u %u",
+       counts[0], counts[1], counts[2], counts[3], counts[4]);
+    ok(sp_fiber_acquire(pool, idle_fn, NULL) == NULL && sp_fiber_pool_count(pool) == MAX,
+       "a sixth acquire returns NULL, nothing more made");
+    bool apart = true;
+    for (int i = 0; i < MAX && got == MAX; i++) {
+        void *lo_i, *lo_j;
+        size_t size, size_j;
+        sp_fiber_stack(f[i], &lo_i, &size);
+        for (int j = 0; j < i; j++) {
+            sp_fiber_stack(f[j], &lo_j, &size_j);
+            ptrdiff_t d = (char *)lo_i - (char *)lo_j;
+            apart &= size == 16 * 1024 && (d < 0 ? -d : d) > (ptrdiff_t)size;
+        }
+    }
+    ok(apart, "every stack of the requested size, a gap (the guard page) between any two");
+    int ran = 0;
+    for (int i = 0; i < MAX && got == MAX; i++) {
+        sp_fiber_switch(main_fiber, f[i]); /* runs to its first switch back */
+        ran++;
+    }
+    ts_log_capture();
+    for (int i = 0; i < MAX && got == MAX; i++) sp_fiber_release(pool, f[i]);
+    ok(ran == MAX && ts_logged.count == 0 && sp_fiber_pool_in_use(pool) == 0,
+       "each ran; the grown fibers are the pool's own: released without a report");
+    ts_log_release();
+    got = 0;
+    for (int i = 0; i < MAX; i++) got += (f[i] = sp_fiber_acquire(pool, idle_fn, NULL)) != NULL;
+    ok(got == MAX && sp_fiber_pool_count(pool) == MAX, "all 5 acquired again, none made");
+    for (int i = 0; i < MAX; i++) sp_fiber_release(pool, f[i]);
+    sp_fiber_pool_destroy(pool);
+
+    ts_log_capture();
+    sp_fiber_pool *none = (sp_fiber_pool *)1;
+    ok(sp_fiber_pool_create_growing(&none, 4, 3, 4096) == SP_ERR_INVALID_ARG && none == NULL &&
+           ts_logged.count == 1 && ts_logged.last_id == SP_ERR_INVALID_ARG,
+       "a growing pool with max below count: SP_ERR_INVALID_ARG, reported");
+    ts_log_release();
+}
+
 /* ---- misuse ---------------------------------------------------------------------------- */
 
 static bool reported(sp_result id, const char *call, const void *addr) {
@@ -433,7 +492,7 @@ static void test_misuse(sp_fiber_pool *pool) {
 }
 
 int main(void) {
-    plan(39);
+    plan(47);
     sp_fiber_pool *pool = NULL;
     is_int(sp_fiber_pool_create(&pool, 32, STACK), SP_OK, "create a pool of 32 fibers");
     main_fiber = sp_fiber_thread_enter();
@@ -446,6 +505,7 @@ int main(void) {
     test_registers(pool);
     test_deep(pool);
     test_exhaustion();
+    test_growth();
     test_misuse(pool);
 
     is_int(sp_fiber_pool_in_use(pool), 0, "nothing left acquired");

@@ -1,5 +1,5 @@
-/* Death tests for fibers, each in a forked child: overflowing a fiber stack faults on the
- * guard page below it (SIGSEGV with the fault address inside that guard, so the neighbouring
+/* Death tests for fibers, each in a forked child: overflowing a fiber stack (of a fixed pool,
+ * or one a growing pool made later) faults on the guard page below it (SIGSEGV with the fault address inside that guard, so the neighbouring
  * stack was never written), and a fiber function that returns dies through sp_die. */
 #include <signal.h>
 #include <string.h>
@@ -43,8 +43,9 @@ static void overflow_fn(sp_fiber *self, void *arg) {
     bottomless(0);
 }
 
+/* arg non-NULL: a growing pool of 1, where the overflowing fiber is one the pool made when it
+ * grew (to 2, then 4). */
 static void overflow_child(void *arg) {
-    (void)arg;
     static char altstack[64 * 1024];
     stack_t ss = {.ss_sp = altstack, .ss_size = sizeof altstack};
     sigaltstack(&ss, NULL);
@@ -55,10 +56,14 @@ static void overflow_child(void *arg) {
     sigaction(SIGSEGV, &sa, NULL);
 
     sp_fiber_pool *pool = NULL;
-    if (sp_fiber_pool_create(&pool, 3, 64 * 1024) != SP_OK) return;
+    if ((arg ? sp_fiber_pool_create_growing(&pool, 1, 4, 64 * 1024)
+             : sp_fiber_pool_create(&pool, 3, 64 * 1024)) != SP_OK)
+        return;
     main_fiber = sp_fiber_thread_enter();
     sp_fiber *below = sp_fiber_acquire(pool, overflow_fn, NULL);
-    sp_fiber *f = sp_fiber_acquire(pool, overflow_fn, NULL);
+    if (arg) below = sp_fiber_acquire(pool, overflow_fn, NULL); /* the 2nd, made by growth */
+    sp_fiber *f = sp_fiber_acquire(pool, overflow_fn, NULL);    /* arg: the 3rd, made then */
+    if (arg && sp_fiber_pool_count(pool) != 4) return;
     void *lo;
     size_t size;
     sp_fiber_stack(f, &lo, &size);
@@ -81,9 +86,11 @@ static void return_child(void *arg) {
 }
 
 int main(void) {
-    plan(2);
+    plan(3);
     ok(ts_dies(overflow_child, NULL, "fault in the fiber's guard page", NULL),
        "overflowing a fiber stack dies by SIGSEGV in its guard page");
+    ok(ts_dies(overflow_child, "grown", "fault in the fiber's guard page", NULL),
+       "... also a fiber made when the pool grew");
     ok(ts_dies(return_child, NULL, "must never return", "sp_fiber_acquire"),
        "a fiber function that returns dies through sp_die");
     return done();

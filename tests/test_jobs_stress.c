@@ -277,8 +277,11 @@ static void run(const jt_config *c, uint64_t seed) {
     atomic_store(&jobs_checked, 0);
     /* A small pool, so that waits also run out of fibers now and then (the exhaustion path:
      * jobs run on the waiting job's stack, hence the larger stacks). */
-    sp_jobs_desc desc = {
-        .workers = c->workers, .no_workers = c->no_workers, .fibers = 24, .fiber_stack = 1u << 20};
+    sp_jobs_desc desc = {.workers = c->workers,
+                         .no_workers = c->no_workers,
+                         .fibers = 24,
+                         .fibers_max = 24,
+                         .fiber_stack = 1u << 20};
     jt_log_reset();
     if (sp_jobs_create(&S, &desc) != SP_OK) {
         ok(0, "%s: create", c->name);
