@@ -1,7 +1,8 @@
 /* The `jobs` benchmark area: the fiber job scheduler of jobs/sp_jobs.h (WHO spindle) against
  * `mutexpool`, a plain pthread pool written here (one mutex over a FIFO of jobs, workers blocked
  * on a condition variable, a batch counter with its own condition variable; the submitting
- * thread never runs jobs). Same number of worker threads for both (default 2). Names:
+ * thread never runs jobs). Same number of worker threads for both (default 2); spindle's main
+ * thread also runs jobs while it waits, so 3 threads run spindle's jobs against 2. Names:
  * jobs/CASE/WHO[/workers:N] (the suffix only when N is not the default 2).
  *
  *   empty      1024 rounds: submit 1024 empty jobs in one call with one counter, wait for it.
