@@ -14,11 +14,15 @@
  *   - sp_frame_end waits for the jobs, flips the arena, tidies the caches and compacts the
  *     handle heap within the between-frames budget.
  * Prints a line of figures a second and a summary; exits non-zero if any payload, render
- * record or event was damaged, or if anything leaked.
+ * record or event was damaged, or if anything leaked (handles, thread-cache blocks).
  *
  *   spindle-demo [SECONDS] [ENTITIES]     defaults: 2 seconds, 20000 entities
+ * Bad arguments (not a number, out of range, trailing characters, more than two) print the
+ * usage and exit 2; -h or --help print it and exit 0.
  */
+#include <errno.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -58,6 +62,7 @@ typedef struct world {
     uint32_t render_count[2];
     event *mail[MAILBOXES]; /* events sent last frame, freed by this frame's piece */
     atomic_uint_fast64_t damaged, events_checked, render_checked;
+    uint64_t failed_spawns; /* handle heap full (main thread only) */
     sp_counter *updated;
 } world;
 
@@ -77,11 +82,15 @@ static uint32_t payload_size(uint64_t frame, uint64_t r) {
     return 16 + (uint32_t)(r % max);
 }
 
-static void spawn(void) {
+/* False when the handle heap is full (the caller stops spawning for this frame). */
+static bool spawn(void) {
     uint32_t len = payload_size(W.frame, rng_next(&W.rng));
     sp_handle h = sp_handle_alloc(W.heap, sizeof(entity) + len, 16);
     entity *e = sp_handle_resolve(W.heap, h);
-    if (!e) return; /* heap full: counted as no spawn */
+    if (!e) {
+        W.failed_spawns++;
+        return false;
+    }
     e->id = W.next_id++;
     e->len = len;
     e->pos[0] = e->pos[1] = 0;
@@ -89,6 +98,7 @@ static void spawn(void) {
     e->vel[1] = (float)(e->id % 5) - 2;
     for (uint32_t i = 0; i < len; i++) e->payload[i] = (uint8_t)(e->id + i);
     W.ents[W.count++] = h;
+    return true;
 }
 
 static void despawn(uint32_t i) {
@@ -166,13 +176,24 @@ static void free_world(void) {
     memset(W.mail, 0, sizeof W.mail);
 }
 
+/* The whole of s as a number, or NAN. */
+static double number(const char *s) {
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    return end != s && *end == '\0' && errno == 0 ? v : NAN;
+}
+
 int main(int argc, char **argv) {
-    double seconds = argc > 1 ? atof(argv[1]) : 2.0;
-    long entities = argc > 2 ? atol(argv[2]) : 20000;
-    if (!(seconds > 0 && seconds <= 3600) || entities < 1 || entities > MAX_ENTITIES / 2) {
-        fprintf(stderr, "usage: %s [SECONDS (0-3600]] [ENTITIES 1-%d]\n", argv[0],
-                MAX_ENTITIES / 2);
-        return 2;
+    bool help = argc > 1 && (strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "--help") == 0);
+    double seconds = argc > 1 && !help ? number(argv[1]) : 2.0;
+    double entities = argc > 2 ? number(argv[2]) : 20000;
+    if (help || argc > 3 || !(seconds > 0 && seconds <= 3600) ||
+        !(entities >= 1 && entities <= MAX_ENTITIES / 2 && entities == floor(entities))) {
+        fprintf(help ? stdout : stderr,
+                "usage: %s [SECONDS (0-3600], default 2] [ENTITIES 1-%d, default 20000]\n",
+                argv[0], MAX_ENTITIES / 2);
+        return help ? 0 : 2;
     }
     sp_desc desc = {0};
     desc.huge_pages = true;
@@ -187,7 +208,7 @@ int main(int argc, char **argv) {
     sp_jobs_status js;
     sp_jobs_status_get(sp_scheduler(), &js);
     static const char *pages[] = {"normal", "transparent huge", "huge"};
-    printf("spindle-demo: %ld entities, %.1f s; %u workers + main thread; %zu MiB reserved "
+    printf("spindle-demo: %.0f entities, %.1f s; %u workers + main thread; %zu MiB reserved "
            "(%s pages)\n",
            entities, seconds, js.workers, st.reserved >> 20, pages[st.pages]);
 
@@ -196,7 +217,8 @@ int main(int argc, char **argv) {
     W.updated = sp_counter_create(sp_scheduler(), "updated");
     sp_tcache_status t0;
     sp_tcache_status_get(&t0);
-    for (long i = 0; i < entities; i++) spawn();
+    while (W.count < (uint32_t)entities && spawn()) {
+    }
 
     uint64_t start = sp_time_ns(), last_print = start, frames = 0, moved = 0, overflows = 0;
     uint64_t worst_frame = 0, jobs = 0;
@@ -205,7 +227,8 @@ int main(int argc, char **argv) {
         /* Churn: despawn ~1%, spawn back to the target (the size mix drifts). */
         for (uint32_t k = 0; k < entities / 100 + 1 && W.count; k++)
             despawn((uint32_t)(rng_next(&W.rng) % W.count));
-        while (W.count < (uint32_t)entities) spawn();
+        while (W.count < (uint32_t)entities && spawn()) {
+        }
         W.render[W.frame & 1] = sp_arena_alloc(sizeof(render_rec) * W.count);
         W.render_count[W.frame & 1] = W.render[W.frame & 1] ? W.count : 0;
         if (W.render[W.frame & 1]) {
@@ -228,12 +251,16 @@ int main(int argc, char **argv) {
         if (fs.frame_ns > worst_frame) worst_frame = fs.frame_ns;
         uint64_t now = sp_time_ns();
         if (now - last_print >= 1000000000u || now - start >= (uint64_t)(seconds * 1e9)) {
+            sp_handle_heap_status hs;
+            sp_handle_heap_status_get(W.heap, &hs);
             printf("  frame %6" PRIu64 ": %5.2f ms, %4" PRIu64 " jobs, arena %5zu KiB (peak "
-                   "%5zu), heap %6zu KiB, handles %6zu KiB live, %5.2f%% fragmented, %7zu KiB "
-                   "moved\n",
+                   "%5zu), heap %6zu KiB, handles %6zu KiB live, holes %5zu KiB (%4.1f%% of the "
+                   "heap's used span), %7zu KiB moved\n",
                    fs.frame, fs.frame_ns / 1e6, fs.jobs_run, fs.arena_bytes >> 10,
                    fs.arena_peak >> 10, fs.heap_bytes >> 10, fs.handle_bytes >> 10,
-                   fs.handle_fragmentation * 100, fs.handle_moved >> 10);
+                   hs.hole_bytes >> 10,
+                   hs.used_bytes ? 100.0 * (double)hs.hole_bytes / (double)hs.used_bytes : 0.0,
+                   fs.handle_moved >> 10);
             last_print = now;
         }
         if (now - start >= (uint64_t)(seconds * 1e9)) break;
@@ -257,8 +284,18 @@ int main(int argc, char **argv) {
            frames, elapsed, frames / elapsed, worst_frame / 1e6, jobs, moved >> 20, overflows,
            (uint64_t)atomic_load(&W.events_checked), (uint64_t)atomic_load(&W.render_checked),
            damaged);
-    bool leaked = hs.live_handles != 0;
-    if (leaked) printf("spindle-demo: %zu handles still live\n", (size_t)hs.live_handles);
+    /* Blocks not freed: live ones, less the freed ones still in their owners' inboxes (the
+     * main thread freed the last events, most of them remotely). */
+    sp_tcache_status t1;
+    sp_tcache_status_get(&t1);
+    size_t kept0 = t0.live_blocks - t0.remote_pending, kept1 = t1.live_blocks - t1.remote_pending;
+    if (W.failed_spawns)
+        printf("spindle-demo: %" PRIu64 " spawns found the handle heap full\n", W.failed_spawns);
+    bool leaked = hs.live_handles != 0 || kept1 != kept0;
+    if (hs.live_handles) printf("spindle-demo: %zu handles still live\n", (size_t)hs.live_handles);
+    if (kept1 != kept0)
+        printf("spindle-demo: %zu thread-cache blocks not freed at the end, %zu at the start\n",
+               kept1, kept0);
     r = sp_shutdown();
     if (r != SP_OK) printf("spindle-demo: sp_shutdown: %s\n", sp_result_name(r));
     return damaged || leaked || r != SP_OK ? 1 : 0;
