@@ -16,6 +16,9 @@ PACKAGES=(meson ninja-build pkg-config gcc g++ clang-14 libclang-rt-14-dev libur
           gcc-aarch64-linux-gnu python3 git liburcu-dev:arm64)
 # liburcu-dev:arm64 (for the aarch64 cross build) is a Debian multiarch package: the arm64
 # architecture is added to dpkg first if it is missing.
+# `demo` needs only the library's own build: a release build finds no Google Benchmark or C++
+# compiler then and leaves the benchmarks out.
+DEMO_PACKAGES=(meson ninja-build pkg-config gcc liburcu-dev)
 
 # Build directories: compiler environment and meson options. Changing these lines makes the
 # next run re-create the directory (see setup_dir).
@@ -45,9 +48,11 @@ usage() {
 usage: ./spin COMMAND [ARGS]
 
   demo                 release build, then run build-release/demos/spindle-demo [ARGS]
-  test                 what CI runs: ASan+UBSan (unit, death), TSan (concurrency),
-                       release (unit + benchmark smoke), libFuzzer (fuzz); ends with the
-                       line "N passed, N failed"; exit status non-zero if anything failed
+  test                 what CI runs: ASan+UBSan (unit, death, concurrency), TSan
+                       (concurrency), release (unit, soak, benchmark smoke), Valgrind,
+                       the aarch64 cross build (compiled, not run), libFuzzer (fuzz); ends
+                       with the line "N passed, N failed"; exit status non-zero if
+                       anything failed
   bench [AREA...] [FLAGS]
                        release build, then bench/run build-release AREA [FLAGS] for each
                        AREA (default: every bench_AREA executable built); FLAGS such as
@@ -55,10 +60,11 @@ usage: ./spin COMMAND [ARGS]
                        build-release/bench/AREA.json
   help                 this text
 
-demo, test and bench first make sure these Debian packages are installed (installing them
-when run as root, printing the apt-get line otherwise):
+test and bench first make sure these Debian packages are installed (installing them when run
+as root, printing the apt-get line otherwise):
 EOF
     printf '  %s\n' "${PACKAGES[*]}"
+    printf 'demo only these:\n  %s\n' "${DEMO_PACKAGES[*]}"
 }
 
 say() { printf '%s\n' "$*"; }
@@ -74,14 +80,19 @@ elapsed() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
 
 # ---- packages ----------------------------------------------------------------------------
 
+# Whether Debian package $1 is installed (one line per installed architecture: any will do).
+installed() {
+    dpkg-query -W -f='${Status}\n' "$1" 2>/dev/null | grep -qx 'install ok installed'
+}
+
+# ensure_packages [ARRAY_NAME]: the packages of that array (default PACKAGES).
 ensure_packages() {
     command -v dpkg-query >/dev/null 2>&1 ||
         die "dpkg-query not found: spin expects Debian 12; see README.md for plain meson commands"
-    local missing=() p status
-    for p in "${PACKAGES[@]}"; do
-        # One line per installed architecture (a cross setup adds :arm64 ones): any will do.
-        status=$(dpkg-query -W -f='${Status}\n' "$p" 2>/dev/null | grep -m1 -x 'install ok installed') || status=
-        [[ $status == "install ok installed" ]] || missing+=("$p")
+    local -n wanted=${1:-PACKAGES}
+    local missing=() p
+    for p in "${wanted[@]}"; do
+        installed "$p" || missing+=("$p")
     done
     ((${#missing[@]} == 0)) && return 0
     local add_arch=
@@ -103,9 +114,7 @@ ensure_packages() {
     DEBIAN_FRONTEND=noninteractive apt-get install -y "${missing[@]}" </dev/null ||
         die "apt-get install failed"
     for p in "${missing[@]}"; do
-        # One line per installed architecture (a cross setup adds :arm64 ones): any will do.
-        status=$(dpkg-query -W -f='${Status}\n' "$p" 2>/dev/null | grep -m1 -x 'install ok installed') || status=
-        [[ $status == "install ok installed" ]] || die "package $p still not installed"
+        installed "$p" || die "package $p still not installed"
     done
 }
 
@@ -287,7 +296,7 @@ cmd_test() {
 # ---- demo, bench -------------------------------------------------------------------------
 
 cmd_demo() {
-    ensure_packages
+    ensure_packages DEMO_PACKAGES
     setup_dir build-release RELEASE_ENV RELEASE_OPTS || die "configuring build-release failed"
     meson compile -C build-release spindle-demo </dev/null || die "building the demo failed"
     exec build-release/demos/spindle-demo "$@"
@@ -330,6 +339,14 @@ cmd_bench() {
         esac
     done
 
+    local known=() src
+    for src in bench/*_bench.c; do
+        src=${src#bench/}
+        known+=("${src%_bench.c}")
+    done
+    for arg in "${areas[@]}"; do # known from the sources, before a build of several minutes
+        [[ " ${known[*]} " == *" $arg "* ]] || die "unknown bench area '$arg' (areas: ${known[*]})"
+    done
     ensure_packages
     setup_dir build-release RELEASE_ENV RELEASE_OPTS || die "configuring build-release failed"
     meson compile -C build-release </dev/null || die "building build-release failed"
