@@ -74,7 +74,8 @@ sp_tlsf *sp_tlsf_create(const sp_tlsf_desc *desc, sp_result *err);
 size_t sp_tlsf_destroy(sp_tlsf *t);
 
 /* Add a pool of memory. Errors: SP_ERR_TOO_SMALL, SP_ERR_LIMIT (pool table full),
- * SP_ERR_INVALID_ARG (overlaps a pool, NULL, larger than SP_TLSF_MAX_BLOCK). */
+ * SP_ERR_INVALID_ARG (overlaps a pool, NULL, larger than SP_TLSF_MAX_BLOCK), SP_ERR_OVERFLOW
+ * (memory + size wraps the address space; sp_tlsf_create answers the same in *err). */
 sp_result sp_tlsf_add_pool(sp_tlsf *t, void *memory, size_t size);
 
 /* Allocate `size` bytes (16-aligned). size 0 gives a minimal unique block. Returns NULL when

@@ -53,7 +53,9 @@ sp_result sp_vm_commit(void *p, size_t size);
 
 /* Return the physical pages of [p, p+size) to the OS and make the range inaccessible
  * again; the address range stays reserved. Contents are lost. On an SP_PAGES_HUGE
- * reservation the range goes back to base pages: a later commit gets base pages. */
+ * reservation the range goes back to base pages: a later commit gets base pages; so does an
+ * SP_PAGES_TRANSPARENT one (the range loses its transparent-huge-page advice). A range that
+ * is not all mapped (released, never reserved): SP_ERR_OS, logged, nothing mapped there. */
 sp_result sp_vm_decommit(void *p, size_t size);
 
 /* Make [p, p+size) inaccessible (a guard): any access faults at once. */

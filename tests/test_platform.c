@@ -1,8 +1,10 @@
 /* The platform layer: virtual memory, clocks, threads and futexes against the real OS. */
+#include <errno.h>
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -166,6 +168,11 @@ static void test_bad_args(void) {
     n = ts_logged.count;
     is_int(sp_vm_commit(p, ps), SP_ERR_OS, "commit of a released range fails");
     check_logged(n, SP_ERR_OS, "sp_vm_commit", p);
+    n = ts_logged.count;
+    is_int(sp_vm_decommit(p, ps), SP_ERR_OS, "decommit of a released range fails");
+    check_logged(n, SP_ERR_OS, "sp_vm_decommit", p);
+    ok(msync(p, ps, MS_ASYNC) != 0 && errno == ENOMEM,
+       "... and maps nothing there (msync: not mapped)");
     ts_log_release();
 }
 
@@ -283,7 +290,7 @@ static void test_futex(void) {
 }
 
 int main(void) {
-    plan(41);
+    plan(44);
     test_page_size();      /* 1 */
     test_reserve_commit(); /* 3 */
     test_alignment();      /* 2 */
