@@ -1,6 +1,6 @@
 /* How allocators tell AddressSanitizer and Valgrind which bytes the user may touch.
  *
- * The one header every spindle allocator goes through (STYLE.md, rule 6). The model:
+ * The one header every spindle allocator goes through for these tools. The model:
  *   - a pool handed to an allocator starts out as allocator-internal: user access is an error;
  *   - track_malloc / track_free / track_resize move a user block in and out of that state;
  *   - the allocator's own code reads and writes its metadata (headers, free-list links inside

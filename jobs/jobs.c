@@ -229,18 +229,18 @@ static sp_result desc_resolve(sp_jobs_desc *d) {
         d->workers = sp_cpu_count();
         if (d->workers > MAX_WORKERS - 1) d->workers = MAX_WORKERS - 1;
     }
-    if (d->workers > MAX_WORKERS - 1) return SP_ERR_INVALID_ARG;
+    /* Every default first, so that a refusal's message shows the values that were checked. */
     if (d->fibers == 0) d->fibers = 128;
-    if (d->fibers < d->workers + 2) return SP_ERR_INVALID_ARG;
     if (d->fibers_max == 0)
         d->fibers_max = d->fibers <= UINT32_MAX / 32 ? 32 * d->fibers : UINT32_MAX;
-    if (d->fibers_max < d->fibers) return SP_ERR_INVALID_ARG;
     if (d->fiber_stack == 0) d->fiber_stack = 256 * 1024;
     if (d->max_jobs == 0) d->max_jobs = 65536;
     if (d->deque_size == 0) d->deque_size = 4096;
-    if (!sp_is_pow2(d->deque_size) || d->deque_size > (1u << 24)) return SP_ERR_INVALID_ARG;
     if (d->spin_ns == 0) d->spin_ns = 50000;
     if (d->watchdog_ms == 0) d->watchdog_ms = 2000;
+    if (d->workers > MAX_WORKERS - 1 || d->fibers < d->workers + 2 ||
+        d->fibers_max < d->fibers || !sp_is_pow2(d->deque_size) || d->deque_size > (1u << 24))
+        return SP_ERR_INVALID_ARG;
     return SP_OK;
 }
 

@@ -37,7 +37,7 @@
  * Concurrency:
  *   sp_jobs_submit, sp_jobs_submit_after, sp_parallel_for,
  *   sp_counter_add, sp_counter_sub, sp_counter_value, sp_counter_wait,
- *   sp_jobs_worker_id, sp_jobs_status            any thread, any time between create and
+ *   sp_jobs_worker_id, sp_jobs_status_get        any thread, any time between create and
  *                                                 shutdown (submits after it: SP_ERR_SHUTDOWN)
  *   sp_counter_create / sp_counter_destroy        any thread; destroy only once nothing waits on
  *                                                 the counter and no job holds it

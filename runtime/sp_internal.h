@@ -31,7 +31,7 @@ static inline uintptr_t sp_align_down(uintptr_t x, size_t a) {
     return x & ~(uintptr_t)(a - 1);
 }
 
-/* Tiered checks (STYLE.md): level 2 internal invariants, level 3 expensive walks.
+/* Tiered checks (SP_DEBUG, meson option debug_level): level 2 internal invariants, level 3 expensive walks.
  * The condition is evaluated only when the tier is enabled: no side effects allowed. */
 #define SP_CHECK_TIER(tier, cond, call, addr)                                                      \
     do {                                                                                           \

@@ -4,7 +4,7 @@
  * enumerated id, so tests and tools can check exactly what was reported. The library never
  * prints by itself and keeps no errno-style last error (a fiber may resume on another thread).
  *
- * Three classes of trouble (STYLE.md, Errors):
+ * Three classes of trouble:
  *   misuse    a bug in the caller (double free, foreign pointer, bad alignment). Reported with
  *             the call and the address. If sp_misuse_fatal() is true (default: SP_DEBUG >= 1)
  *             the process then dies through the fatal handler; otherwise the call returns its

@@ -165,10 +165,13 @@ typedef struct sp_status {
 
 /* Start the runtime; the calling thread becomes its main thread (and the scheduler's worker
  * 0). desc may be NULL (all defaults). Cost: a reservation, thread starts, the scheduler's
- * fiber pool. Returns SP_OK; SP_ERR_INVALID_ARG (logged: a canary not zero, frame_buffers
- * above 4, heap_size below 64 MiB, already initialised); SP_ERR_OVERFLOW (a region above
- * 64 TiB); or the failing subsystem's error, everything started so far
- * stopped again (sp_init_failure names the subsystem). */
+ * fiber pool. Returns SP_OK; SP_ERR_INVALID_ARG for a desc that is misuse (a canary not zero,
+ * frame_buffers above 4, heap_size below 64 MiB; and the subsystems' own desc checks, e.g. a
+ * jobs desc sp_jobs_create refuses) and SP_ERR_OVERFLOW (a region above 64 TiB): reported as
+ * misuse, so debug builds abort (sp_log.h; sp_misuse_set_fatal(false) makes them return);
+ * SP_ERR_INVALID_ARG, logged and never fatal, when already initialised; or the failing
+ * subsystem's error, everything started so far stopped again (sp_init_failure names the
+ * subsystem). */
 sp_result sp_init(const sp_desc *desc);
 
 /* The subsystem whose start failed in the last sp_init ("platform", "central heap", "thread
@@ -205,7 +208,7 @@ void sp_thread_quiescent(void);
  * into RCU-protected data (anything it or others hand to sp_retire, and sp_handle_resolve's
  * table, which an attached thread does not use anyway) and reclamation does not wait for it.
  * Offline it may use the thread caches, the handle heap's alloc/free/pin/unpin (they read the
- * table under the heap lock) and submit jobs (sp_jobs_parallel_for may run the function
+ * table under the heap lock) and submit jobs (sp_parallel_for may run the function
  * inline on the calling thread: it must then not read RCU-protected data either). Online
  * again, it counts as quiescent at once; reclamation waits for it from the next grace period.
  * Offline twice, online while online, and both on a thread that is not attached are no-ops;
@@ -224,8 +227,8 @@ sp_region sp_region_of(const void *p);
 
 /* size bytes, aligned to align (a power of two up to 4096; 0: 16), living until sp_shutdown.
  * A CAS loop; growing past the committed part takes a mutex and commits 2 MiB steps. NULL
- * (logged) when the region is full, on
- * a bad alignment or before init. */
+ * (logged) when the region is full or before init; a bad alignment is misuse (NULL; debug
+ * builds abort). */
 void *sp_persistent_alloc(size_t size, size_t align);
 
 /* Call free_fn(p) once no registered thread can still hold p (after a QSBR grace period),
