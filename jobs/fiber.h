@@ -76,7 +76,8 @@ sp_result sp_fiber_pool_create(sp_fiber_pool **out, uint32_t count, size_t stack
 
 /* The same, for a pool that grows: it starts with `count` fibers and, when an acquire finds
  * every fiber in use, doubles (up to `max`) under the pool's lock (a commit, an mprotect per
- * new fiber and their records set up: tens of microseconds for that one acquire). The address
+ * new fiber and their records set up: about a microsecond per new fiber, milliseconds for a
+ * doubling to thousands, paid by that one acquire while others wait for the lock). The address
  * space and records for max fibers are reserved at create; fibers are never unmade before
  * destroy. A growth that fails (logged: SP_LOG_WARN, the system call's id) stops the growing;
  * the acquire then returns NULL as for a full pool. max < count is misuse

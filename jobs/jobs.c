@@ -68,11 +68,10 @@ static void abandon_waiters(sp_jobs *s) {
                 next = wt->next;
                 bool fiber = wt->kind == WAIT_FIBER;
                 job *jb = wt->job;
-                /* A parked piece of a batch: the job that waits is the one it last began. */
-                const char *name = fiber && jb->kind == JOB_BATCH && jb->begin > 0
-                                       ? jb->batch->jobs[jb->begin - 1].name
-                                       : jb->name;
+                const char *name = fiber ? job_wait_name(jb) : jb->name;
                 s->abandoned = true;
+                s->abandoned_jobs += fiber;
+                s->abandoned_records += fiber ? 1 : wt->count;
                 sp_log(SP_LOG_ERROR, SP_ERR_STALLED, "sp_jobs_shutdown", c,
                        "%s '%s' waits on counter '%s' (value %lld, target %lld) that nothing can "
                        "reach: abandoned",
@@ -112,16 +111,22 @@ bool sp_jobs_idle(sp_jobs *s) {
     return jobs_records_outstanding(s, &done) == 0;
 }
 
+/* Records of live jobs, pieces and deferred batches, less those shutdown abandoned. */
+static uint64_t drain_outstanding(sp_jobs *s, uint64_t *done) {
+    return jobs_records_outstanding(s, done) - s->abandoned_records;
+}
+
 /* Main thread's loop, while shutdown drains and nothing is left to run here: finished when
- * every job record is back (nothing live means nothing can submit again: other threads are
- * refused by `closing`), or stuck when what is left only waits on counters and nothing ran
- * for a while. */
+ * every job record is back, or abandoned (nothing live means nothing can submit again: other
+ * threads are refused by `closing`), or stuck when what is left only waits on counters and
+ * nothing ran for a while. A job that another thread readied while the waiters were being
+ * abandoned is queued, not abandoned: the drain goes on until it ran. */
 void jobs_drain_check(sp_jobs *s) {
     if (atomic_load(&s->drained)) return;
-    uint64_t done, outstanding = jobs_records_outstanding(s, &done);
+    uint64_t done, outstanding = drain_outstanding(s, &done);
     bool finished = outstanding == 0;
     uint64_t parks = SUM(s, parks), resumes = SUM(s, resumes);
-    int64_t parked_jobs = (int64_t)(parks - resumes);
+    int64_t parked_jobs = (int64_t)(parks - resumes - s->abandoned_jobs);
     uint64_t progress = done + parks + resumes;
     if (!finished && (int64_t)outstanding == parked_jobs + atomic_load(&s->deferred)) {
         uint64_t now = sp_time_ns();
@@ -130,7 +135,8 @@ void jobs_drain_check(sp_jobs *s) {
             s->drain_still_since = now;
         } else if (now - s->drain_still_since > 100000000) { /* 100 ms, nothing ran */
             abandon_waiters(s);
-            finished = true;
+            finished = drain_outstanding(s, &done) == 0;
+            s->drain_still_since = 0;
         }
     } else {
         s->drain_still_since = 0; /* something can still run: the 100 ms start again */

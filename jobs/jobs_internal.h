@@ -178,6 +178,7 @@ struct sp_jobs {
     _Atomic uint32_t drained;
     uint64_t drain_last_done, drain_still_since; /* main thread only */
     bool abandoned; /* shutdown gave up on jobs that could never run (main thread only) */
+    uint64_t abandoned_jobs, abandoned_records; /* ... how many, and the records they hold */
     /* job records */
     job *records;
     sp_mutex record_lock;
@@ -210,6 +211,12 @@ static inline void stat_add(_Atomic uint64_t *x, uint64_t n) { /* owner-only sta
                           memory_order_release);
 }
 #define stat_inc(x) stat_add((x), 1)
+
+/* The name of the job that parked job j waits for: a batch piece's is the job it last began
+ * (hooks, shutdown's reports). */
+static inline const char *job_wait_name(const job *j) {
+    return j->kind == JOB_BATCH && j->begin > 0 ? j->batch->jobs[j->begin - 1].name : j->name;
+}
 
 static inline bool deque_nonempty(sp_deque *d) {
     return (ptrdiff_t)(atomic_load(&d->bottom) - atomic_load(&d->top)) > 0;

@@ -423,24 +423,41 @@ static sp_fiber *loop_fiber_get(sp_jobs *s, worker *w) {
     return f ? f : sp_fiber_acquire(s->pool, jobs_loop_main, NULL);
 }
 
+/* Whether a job any worker may run is queued in w's deques or the injection queues. */
+static bool shared_work(sp_jobs *s, worker *w) {
+    for (int r = 0; r < RANKS; r++)
+        if (atomic_load_explicit(&s->inject[r].size, memory_order_relaxed) ||
+            deque_nonempty(w->deque[r]))
+            return true;
+    return false;
+}
+
 /* Bookkeeping for parked job j about to run again on w; returns its fiber. */
 static sp_fiber *job_unpark(worker *w, job *j) {
     sp_fiber *f = j->fiber;
     j->fiber = NULL;
-    if (j->kind == JOB_THREAD) {
-        w->current_job = NULL;
-        jobs_busy_set(w, 0);
-        if (w->next_job) { /* the thread leaves the loop: let anyone run it */
+    /* Back to the thread's own stack (its thread job, or a parallel_for piece the thread ran
+     * outside its loop): it leaves the loop, so what waits in its slot goes where anyone may
+     * run it, and work that anyone may run gets a worker, since a push may have woken (or
+     * counted on the spinning of) this thread alone. */
+    if (f == w->thread_fiber) {
+        if (w->next_job) {
             job *k = w->next_job;
             w->next_job = NULL;
             k->next = NULL;
             jobs_chain_push(w->s, w, k);
+        } else if (shared_work(w->s, w)) {
+            wake_idle(w->s, 1);
         }
+    }
+    if (j->kind == JOB_THREAD) {
+        w->current_job = NULL;
+        jobs_busy_set(w, 0);
     } else {
         w->current_job = j;
         stat_inc(&w->resumes);
         const sp_jobs_hooks *h = &w->s->desc.hooks;
-        if (h->job_resume) h->job_resume(h->user, w->id, j->name);
+        if (h->job_resume) h->job_resume(h->user, w->id, job_wait_name(j));
     }
     return f;
 }
@@ -482,7 +499,7 @@ SP_INLINE bool job_park(sp_jobs *s, worker *w, job *me, sp_counter *c, int64_t t
     if (me->kind != JOB_THREAD) {
         stat_inc(&w->parks);
         const sp_jobs_hooks *h = &s->desc.hooks;
-        if (h->job_park) h->job_park(h->user, w->id, me->name);
+        if (h->job_park) h->job_park(h->user, w->id, job_wait_name(me));
     }
     w->pending_park = &node; /* published by whoever runs next on this thread */
     w->pending_counter = c;
@@ -594,14 +611,36 @@ void jobs_piece_hide(sp_jobs *s, job *j, bool hides) {
     }
 }
 
+/* Whether a job of a rank above `rank` waits where w looks first: its own list and deque
+ * (what its own jobs made ready: every step), the queues other threads push to (`shared`:
+ * every 16th step, as those lines are written by others). */
+static bool higher_waiting(sp_jobs *s, worker *w, int rank, bool shared) {
+    bool any = false;
+    for (int r = 0; r < rank; r++) {
+        any |= (w->local_head[r] != NULL) | deque_nonempty(w->deque[r]);
+        if (shared)
+            any |= (atomic_load_explicit(&w->pinned[r].size, memory_order_relaxed) != 0) |
+                   (atomic_load_explicit(&s->inject[r].size, memory_order_relaxed) != 0);
+    }
+    return any;
+}
+
 /* Run what is left of piece j. Lazy binary splitting: before each step, if nothing split off
  * by this worker is still waiting in its deque (thieves took it, or there was none), split off
- * the upper half. A step is one job of a batch, or `grain` indices of a parallel_for. */
+ * the upper half. A step is one job of a batch, or `grain` indices of a parallel_for. When a
+ * higher-ranked job is waiting for this worker, the piece gives its rest back (queued as a
+ * piece of its own) and ends, so that the worker's loop takes that job first. */
 void jobs_piece_run(sp_jobs *s, job *j) {
     const sp_jobs_hooks *h = &s->desc.hooks;
     const uint64_t grain = piece_grain(j);
     while (j->begin < j->end) {
         worker *w = jobs_current_worker(); /* a step may wait and move us: read it every time */
+        if (j->rank != RANK_HIGH && higher_waiting(s, w, j->rank, (j->begin & 15) == 0) &&
+            piece_spawn(s, w, j, j->begin, j->end)) {
+            j->end = j->begin;
+            jobs_piece_hide(s, j, false);
+            break;
+        }
         uint64_t b = j->begin, left = j->end - b;
         if (left > grain && !deque_nonempty(w->deque[j->rank]) &&
             piece_spawn(s, w, j, b + left / 2, j->end)) {

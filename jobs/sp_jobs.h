@@ -24,7 +24,8 @@
  * batch. A batch of jobs that share a priority and are not pinned runs as pieces that split
  * lazily (a few records and steals per batch, not one per job); a piece takes its finished
  * jobs off the counter when it ends or when one of its jobs waits, so the value may lag behind
- * jobs that have returned while their piece still runs. Wait with sp_counter_wait, never by
+ * jobs that have returned while their piece still runs. Between its jobs a piece gives way to
+ * a higher-priority job that became ready on its worker (its rest is queued again). Wait with sp_counter_wait, never by
  * polling sp_counter_value in a job (a sibling the poll waits for may be queued behind it).
  *
  * Jobs wait for each other only through counters. A job that blocks its thread on something
@@ -91,7 +92,8 @@ typedef struct sp_job_desc {
 } sp_job_desc;
 
 /* Profiling hooks: each may be NULL; each is called on the thread concerned, with the worker
- * id, and must not submit, wait or block. `name` may be NULL. */
+ * id, and must not submit, wait or block. `name` may be NULL; for a job of a batch it is that
+ * job's own name (park and resume too). */
 typedef struct sp_jobs_hooks {
     void *user;
     void (*job_begin)(void *user, uint32_t worker, const char *name);  /* first run */

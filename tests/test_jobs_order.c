@@ -1,0 +1,305 @@
+/* Where and when the scheduler runs what is ready (jobs/sp_jobs.h), from a second audit; each
+ * test fails with its fix undone:
+ *   - a batch (or parallel_for) piece gives way to a higher-priority job that became ready on
+ *     its worker, instead of running its remaining lower-priority jobs first;
+ *   - the park and resume hooks name the batch job that waits, not the batch's first job;
+ *   - a job submitted from another thread while the main thread and a worker sleep runs on the
+ *     worker, even when the main thread's wait ends at the same moment (the wake went to the
+ *     main thread, which left its wait: the job stayed queued until the next wait; a thread
+ *     leaving its wait now wakes a worker for work that anyone may run);
+ *   - a job resumed into the main thread's next-job slot is handed on when the main thread's
+ *     own stack resumes in a parallel_for body (it stayed there, unstealable);
+ *   - a parked job that another thread readies while shutdown abandons the stuck ones runs,
+ *     and its fiber comes back (it was neither run nor reported, and the pool leaked).
+ * "Runs" is polled with a generous bound, never timed. */
+#include <string.h>
+
+#include "jobs_support.h"
+
+static sp_jobs *S;
+
+/* Poll until *v is set: false after 5 s (it takes microseconds; the bound only keeps a
+ * failure from waiting for the shutdown that would run it at last). */
+static bool soon(atomic_int *v) {
+    uint64_t t0 = sp_time_ns();
+    while (!atomic_load(v)) {
+        if (sp_time_ns() - t0 > 5000000000u) return false;
+        sp_thread_yield();
+    }
+    return true;
+}
+
+/* ---- priority inside a batch ------------------------------------------------------------ */
+
+static sp_counter *prio_c;
+static char order[16];
+static int order_n;
+
+static void high_fn(void *arg) {
+    (void)arg;
+    order[order_n++] = 'H';
+}
+
+static void low_fn(void *arg) {
+    order[order_n++] = (char)('0' + (intptr_t)arg);
+    if (order_n == 1) { /* the first to run makes a high-priority job ready on this worker */
+        sp_job_desc h = {.fn = high_fn, .name = "high", .priority = SP_PRIORITY_HIGH};
+        sp_jobs_submit(S, &h, 1, prio_c);
+    }
+}
+
+/* Inline (deterministic): 6 low jobs, as single submits and as one batch. */
+static void test_batch_priority(void) {
+    for (int batch = 0; batch < 2; batch++) {
+        sp_jobs_desc d = {.no_workers = true};
+        if (sp_jobs_create(&S, &d) != SP_OK) {
+            ok(0, "create");
+            return;
+        }
+        prio_c = jt_counter(S, "inline", "prio");
+        memset(order, 0, sizeof order);
+        order_n = 0;
+        sp_job_desc jobs[6];
+        for (intptr_t i = 0; i < 6; i++)
+            jobs[i] = (sp_job_desc){
+                .fn = low_fn, .arg = (void *)i, .name = "low", .priority = SP_PRIORITY_LOW};
+        bool sub = true;
+        if (batch)
+            sub = sp_jobs_submit(S, jobs, 6, prio_c) == SP_OK;
+        else
+            for (int i = 0; i < 6; i++) sub &= sp_jobs_submit(S, &jobs[i], 1, prio_c) == SP_OK;
+        sp_counter_wait(prio_c, 0);
+        const char *want = batch ? "0H12345" : "5H43210";
+        ok(sub && strcmp(order, want) == 0,
+           "inline, %s: the high job runs right after the job that made it ready (%s, want %s)",
+           batch ? "one batch of 6 low jobs" : "6 low jobs submitted one by one", order, want);
+        sp_counter_destroy(prio_c);
+        sp_jobs_destroy(S);
+    }
+}
+
+/* ---- hook names of a waiting batch job ---------------------------------------------------- */
+
+static sp_counter *gate;
+static char parked_as[16], resumed_as[16];
+
+static void on_park(void *user, uint32_t worker, const char *name) {
+    (void)user, (void)worker;
+    snprintf(parked_as, sizeof parked_as, "%s", name ? name : "(null)");
+}
+static void on_resume(void *user, uint32_t worker, const char *name) {
+    (void)user, (void)worker;
+    snprintf(resumed_as, sizeof resumed_as, "%s", name ? name : "(null)");
+}
+static void nop_fn(void *arg) {
+    (void)arg;
+}
+static void gate_wait_fn(void *arg) {
+    (void)arg;
+    sp_counter_wait(gate, 0);
+}
+static void gate_open_fn(void *arg) {
+    (void)arg;
+    sp_counter_sub(gate, 1);
+}
+
+static void test_hook_names(void) {
+    sp_jobs_desc d = {.no_workers = true, .hooks = {.job_park = on_park, .job_resume = on_resume}};
+    if (sp_jobs_create(&S, &d) != SP_OK) {
+        ok(0, "create");
+        return;
+    }
+    gate = jt_counter(S, "inline", "gate");
+    sp_counter *c = jt_counter(S, "inline", "batch");
+    sp_counter_add(gate, 1);
+    sp_job_desc jobs[3] = {jt_job(nop_fn, NULL, "A"), jt_job(gate_wait_fn, NULL, "B"),
+                           jt_job(gate_open_fn, NULL, "C")};
+    bool sub = sp_jobs_submit(S, jobs, 3, c) == SP_OK;
+    sp_counter_wait(c, 0);
+    ok(sub && strcmp(parked_as, "B") == 0 && strcmp(resumed_as, "B") == 0,
+       "a batch job that waits: job_park and job_resume name it ('%s', '%s', want 'B')", parked_as,
+       resumed_as);
+    sp_counter_destroy(gate);
+    sp_counter_destroy(c);
+    sp_jobs_destroy(S);
+}
+
+/* ---- a job submitted while everyone sleeps, as the main thread's wait ends ---------------- */
+
+static sp_counter *main_waits;
+static atomic_int j_ran;
+
+static void j_fn(void *arg) {
+    (void)arg;
+    atomic_store(&j_ran, 1);
+}
+
+static void *submit_then_signal(void *arg) {
+    (void)arg;
+    usleep(20000);         /* the main thread and the worker are asleep by now (mostly) */
+    sp_job_desc j = jt_job(j_fn, NULL, "J");
+    sp_jobs_submit(S, &j, 1, NULL);
+    sp_counter_sub(main_waits, 1);
+    return NULL;
+}
+
+static void test_wake_order(void) {
+    int ran = 0, rounds = 3;
+    for (int r = 0; r < rounds; r++) {
+        sp_jobs_desc d = {.workers = 1};
+        if (sp_jobs_create(&S, &d) != SP_OK) {
+            ok(0, "create");
+            return;
+        }
+        main_waits = jt_counter(S, "1 worker", "main waits");
+        atomic_store(&j_ran, 0);
+        sp_counter_add(main_waits, 1);
+        pthread_t t;
+        pthread_create(&t, NULL, submit_then_signal, NULL);
+        sp_counter_wait(main_waits, 0);
+        pthread_join(t, NULL);
+        ran += soon(&j_ran); /* the main thread waits no more: the worker must run J */
+        sp_counter_destroy(main_waits);
+        sp_jobs_destroy(S);
+    }
+    ok(ran == rounds,
+       "1 worker: a job another thread submits while both sleep, as the main thread's wait "
+       "ends, runs on the worker (%d of %d rounds)",
+       ran, rounds);
+}
+
+/* ---- a parallel_for body that waits on the main thread ------------------------------------ */
+
+static sp_counter *body_c, *p_go, *p_started;
+static atomic_int p_done;
+
+static void p_fn(void *arg) { /* low, unpinned: parks on the worker */
+    (void)arg;
+    sp_counter_sub(p_started, 1);
+    sp_counter_wait(p_go, 0);
+    atomic_store(&p_done, 1);
+}
+
+static void s_fn(void *arg) { /* pinned to the main thread */
+    (void)arg;
+    sp_counter_wait(p_started, 0);
+    usleep(10000);              /* P parks meanwhile (mostly) */
+    sp_counter_sub(p_go, 1);    /* P ready: into this thread's next-job slot */
+    sp_counter_sub(body_c, 1); /* the body's wait ends: the main thread's own stack resumes */
+}
+
+static void body_fn(void *arg, uint64_t begin, uint64_t end) {
+    (void)arg, (void)begin, (void)end;
+    sp_counter_add(body_c, 1);
+    sp_counter_add(p_go, 1);
+    sp_counter_add(p_started, 1);
+    sp_job_desc p = {.fn = p_fn, .name = "P", .priority = SP_PRIORITY_LOW};
+    sp_job_desc s = {.fn = s_fn, .name = "S", .pinned = true, .worker = 0};
+    sp_jobs_submit(S, &p, 1, NULL);
+    sp_jobs_submit(S, &s, 1, NULL);
+    sp_counter_wait(body_c, 0);
+}
+
+static void test_pfor_resume(void) {
+    int done_rounds = 0, rounds = 3;
+    for (int r = 0; r < rounds; r++) {
+        sp_jobs_desc d = {.workers = 1};
+        if (sp_jobs_create(&S, &d) != SP_OK) {
+            ok(0, "create");
+            return;
+        }
+        body_c = jt_counter(S, "1 worker", "body");
+        p_go = jt_counter(S, "1 worker", "p go");
+        p_started = jt_counter(S, "1 worker", "p started");
+        atomic_store(&p_done, 0);
+        sp_parallel_for(S, 0, 1, 1, body_fn, NULL);
+        done_rounds += soon(&p_done); /* no wait here: the worker must resume P */
+        sp_jobs_destroy(S);
+    }
+    ok(done_rounds == rounds,
+       "1 worker: a job resumed while the main thread's parallel_for body waits is not kept "
+       "in the main thread's slot (%d of %d rounds)",
+       done_rounds, rounds);
+}
+
+/* ---- a parked job readied while shutdown abandons ----------------------------------------- */
+
+static sp_counter *never, *late;
+static atomic_int go_signal, signalled, b_resumed;
+
+static void never_fn(void *arg) {
+    (void)arg;
+    sp_counter_wait(never, 0);
+}
+static void late_fn(void *arg) {
+    (void)arg;
+    sp_counter_wait(late, 0);
+    atomic_store(&b_resumed, 1);
+}
+
+/* The first "abandoned" report lets the other thread ready B before the abandon pass reaches
+ * B's counter: the window that is otherwise a narrow race. */
+static void abandon_log(void *user, const sp_log_record *rec) {
+    jt_log_fn(user, rec);
+    if (rec->id == SP_ERR_STALLED && !atomic_exchange(&go_signal, 1)) jt_poll_int(&signalled, 1);
+}
+
+static void *ready_late(void *arg) {
+    (void)arg;
+    jt_poll_int(&go_signal, 1);
+    sp_counter_sub(late, 1);
+    atomic_store(&signalled, 1);
+    return NULL;
+}
+
+static void test_readied_during_abandon(void) {
+    sp_jobs_desc d = {.workers = 1};
+    if (sp_jobs_create(&S, &d) != SP_OK) {
+        ok(0, "create");
+        return;
+    }
+    never = jt_counter(S, "1 worker", "never");
+    late = jt_counter(S, "1 worker", "late");
+    sp_counter_add(never, 1);
+    sp_counter_add(late, 1);
+    sp_job_desc a = jt_job(never_fn, NULL, "A");
+    sp_job_desc b = {.fn = late_fn, .name = "B", .pinned = true, .worker = 0};
+    sp_jobs_submit(S, &a, 1, NULL);
+    sp_jobs_submit(S, &b, 1, NULL);
+    pthread_t t;
+    pthread_create(&t, NULL, ready_late, NULL);
+    jt_log_reset();
+    sp_log_set(abandon_log, NULL);
+    sp_result r = sp_jobs_shutdown(S);
+    pthread_join(t, NULL);
+    sp_log_set(jt_log_fn, NULL);
+    sp_jobs_status st;
+    sp_jobs_status_get(S, &st);
+    bool a_told = jt_log_has(SP_ERR_STALLED, "sp_jobs_shutdown", "'A'");
+    bool b_told = jt_log_has(SP_ERR_STALLED, "sp_jobs_shutdown", "'B'");
+    ok(r == SP_ERR_STALLED && a_told && !b_told && atomic_load(&b_resumed) && st.jobs_run == 1 &&
+           st.fibers_in_use == 0,
+       "shutdown: A abandoned and reported; B, readied meanwhile, ran (%d) and was not reported "
+       "(%d); its fiber came back (%u in use)",
+       atomic_load(&b_resumed), b_told, st.fibers_in_use);
+    sp_jobs_destroy(S);
+    jt_log_reset();
+}
+
+int main(void) {
+    jt_log_capture();
+    sp_misuse_set_fatal(false);
+    jt_deadline("priority inside a batch", 30);
+    test_batch_priority();
+    jt_deadline("hook names", 30);
+    test_hook_names();
+    jt_deadline("wake order", 60);
+    test_wake_order();
+    jt_deadline("parallel_for resume", 60);
+    test_pfor_resume();
+    jt_deadline("readied during abandon", 60);
+    test_readied_during_abandon();
+    alarm(0);
+    jt_log_release();
+    return done();
+}
