@@ -8,6 +8,7 @@
  *   remote  producer threads allocate 16..256 bytes and hand each block through a
  *           single-producer single-consumer ring to a consumer thread that frees it
  *           (workers:2 = one pair, workers:4 = two pairs); ns_per_pair = wall time / blocks.
+ *           Thread t runs on CPU t % CPUs: a pair's threads on different CPUs.
  *   server  larson-style: threads replace random slots of one shared array of 8192 blocks
  *           with new blocks of 16..512 bytes and free what they took out (most frees are of
  *           another thread's block); ns_per_pair = wall time / replacements.
@@ -20,6 +21,8 @@
  * same.
  */
 #include <dlfcn.h>
+#include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -238,9 +241,26 @@ static __attribute__((noinline)) void server_process(int t, size_t n) {
     server_run(false, t, n);
 }
 
+/* remote: the threads of a pair on different CPUs (thread t on CPU t % CPUs), for every
+ * allocator alike. Left to the scheduler, the two sometimes share a CPU (taking turns through
+ * sched_yield) and sometimes not, and the peers' times differ about 10x between the two
+ * (bench/README.md, "Corrections from an audit"). Returns the old mask to restore. */
+static bool pin_thread(int t, cpu_set_t *old) {
+    if (pthread_getaffinity_np(pthread_self(), sizeof *old, old) != 0) return false;
+    int cpus = CPU_COUNT(old), k = t % (cpus > 0 ? cpus : 1), cpu = -1;
+    for (int i = 0; i < CPU_SETSIZE && k >= 0; i++)
+        if (CPU_ISSET(i, old) && k-- == 0) cpu = i;
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpu, &one);
+    return cpu >= 0 && pthread_setaffinity_np(pthread_self(), sizeof one, &one) == 0;
+}
+
 static void run_case(bench_state *st, const void *varg) {
     const bench_arg *a = varg;
     int t = bench_thread_index(st), n = bench_threads(st);
+    cpu_set_t old_mask;
+    bool pinned = a->k == REMOTE && pin_thread(t, &old_mask);
     region mem;
     op *ops = NULL;
     if (a->k == LOCAL) {
@@ -301,6 +321,7 @@ static void run_case(bench_state *st, const void *varg) {
     }
     bench_counter(st, "ns_per_pair", ns_per_pair, BENCH_COUNTER_AVG_THREADS);
     if (err) bench_skip_with_error(st, err);
+    if (pinned) pthread_setaffinity_np(pthread_self(), sizeof old_mask, &old_mask);
 }
 
 static bool process_malloc_verify(void) {
