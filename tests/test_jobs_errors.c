@@ -58,17 +58,20 @@ static bool refused(sp_result got, sp_result want, const char *call, int logged_
     return got == want && logged && same;
 }
 
-/* Start a test on configuration c: S created, runs at 0; false (a failed line) if create
- * failed. scheduler_end shuts S down and destroys it. */
-static bool scheduler_begin(const jt_config *c) {
+/* Start a test on configuration c with desc (desc_for(c), perhaps changed): S created, runs
+ * at 0; false (a failed line) if create failed. scheduler_end shuts S down and destroys it. */
+static bool scheduler_begin_desc(const jt_config *c, sp_jobs_desc desc) {
     CFG = c;
-    sp_jobs_desc desc = desc_for(c);
     if (sp_jobs_create(&S, &desc) != SP_OK) {
         ok(0, "%s: create", cfg());
         return false;
     }
     atomic_store(&runs, 0);
     return true;
+}
+
+static bool scheduler_begin(const jt_config *c) {
+    return scheduler_begin_desc(c, desc_for(c));
 }
 
 static void scheduler_end(void) {
@@ -454,14 +457,9 @@ static void pf_mark(void *arg, uint64_t b, uint64_t e) {
 }
 
 static void test_limit(const jt_config *c) {
-    CFG = c;
     sp_jobs_desc desc = desc_for(c);
     desc.max_jobs = MAX_JOBS;
-    if (sp_jobs_create(&S, &desc) != SP_OK) {
-        ok(0, "%s: create with max_jobs %d", cfg(), MAX_JOBS);
-        return;
-    }
-    atomic_store(&runs, 0);
+    if (!scheduler_begin_desc(c, desc)) return;
     sp_counter *gate = counter("limit gate"), *ctr = counter("limit");
     sp_counter_add(gate, 1);
     /* Mixed priorities: such a batch takes a record per job (a same-priority batch shares one
@@ -561,14 +559,9 @@ static void never_waiter(void *arg) {
 }
 
 static void test_stalled_shutdown(const jt_config *c) {
-    CFG = c;
     sp_jobs_desc desc = desc_for(c);
     desc.watchdog_ms = UINT32_MAX; /* only shutdown's own report is wanted here */
-    if (sp_jobs_create(&S, &desc) != SP_OK) {
-        ok(0, "%s: create", cfg());
-        return;
-    }
-    atomic_store(&runs, 0);
+    if (!scheduler_begin_desc(c, desc)) return;
     atomic_store(&waiter_done, 0);
     never = counter("never-signalled");
     sp_counter_add(never, 1);
@@ -719,13 +712,9 @@ static void waits_forever(void *arg) {
 }
 
 static void test_audit_stalled_destroy(const jt_config *c) {
-    CFG = c;
     sp_jobs_desc desc = desc_for(c);
     desc.watchdog_ms = UINT32_MAX;
-    if (sp_jobs_create(&S, &desc) != SP_OK) {
-        ok(0, "%s: create", cfg());
-        return;
-    }
+    if (!scheduler_begin_desc(c, desc)) return;
     forever = counter("forever");
     sp_counter_add(forever, 1);
     sp_job_desc d[2] = {jt_job(run_fn, NULL, "returns"), jt_job(waits_forever, NULL, "waits")};
@@ -809,43 +798,42 @@ static void tree_node(void *arg) {
     sp_counter_destroy(c);
 }
 
+typedef struct tree_case {
+    uint32_t fibers;
+    size_t stack_kib;
+    bool fixed;
+    unsigned seconds;
+} tree_case;
+
+/* In the child: the tree, stopped by SIGALRM after the case's seconds; exit 0 when it
+ * completed (with no wait out of fibers, unless the pool is fixed). */
+static void tree_child(void *arg) {
+    const tree_case *t = arg;
+    signal(SIGALRM, SIG_DFL); /* not the parent's deadline handler */
+    alarm(t->seconds);
+    sp_jobs_desc d = {.workers = 2,
+                      .fibers = t->fibers,
+                      .fibers_max = t->fixed ? t->fibers : 0,
+                      .fiber_stack = t->stack_kib << 10};
+    if (sp_jobs_create(&tree_s, &d) != SP_OK) _exit(2);
+    sp_counter *root = sp_counter_create(tree_s, "root");
+    sp_job_desc j = jt_job(tree_node, (void *)8, "root");
+    if (!root || sp_jobs_submit(tree_s, &j, 1, root) != SP_OK) _exit(2);
+    sp_counter_wait(root, 0);
+    sp_jobs_status st;
+    sp_jobs_status_get(tree_s, &st);
+    _exit(st.jobs_run != 9841 ? 4 : !t->fixed && st.fiber_exhaustions ? 5 : 0);
+}
+
 /* One tree 8 deep in a child on a scheduler of `fibers` fibers of `stack_kib` KiB (0:
  * defaults; fixed: a pool that does not grow), stopped after `seconds`: completed, or (fixed)
  * stalled and said so, never a crash. */
 static void deep_tree_case(uint32_t fibers, size_t stack_kib, bool fixed, unsigned seconds) {
-    int fds[2];
-    if (pipe(fds) != 0) {
-        ok(0, "deep tree: pipe");
-        return;
-    }
-    pid_t pid = fork();
-    if (pid == 0) {
-        close(fds[0]);
-        dup2(fds[1], 2);
-        jt_log_release(); /* the default logger: stderr */
-        signal(SIGALRM, SIG_DFL); /* not the parent's deadline handler */
-        alarm(seconds);
-        sp_jobs_desc d = {.workers = 2,
-                          .fibers = fibers,
-                          .fibers_max = fixed ? fibers : 0,
-                          .fiber_stack = stack_kib << 10};
-        if (sp_jobs_create(&tree_s, &d) != SP_OK) _exit(2);
-        sp_counter *root = sp_counter_create(tree_s, "root");
-        sp_job_desc j = jt_job(tree_node, (void *)8, "root");
-        if (!root || sp_jobs_submit(tree_s, &j, 1, root) != SP_OK) _exit(2);
-        sp_counter_wait(root, 0);
-        sp_jobs_status st;
-        sp_jobs_status_get(tree_s, &st);
-        _exit(st.jobs_run != 9841 ? 4 : !fixed && st.fiber_exhaustions ? 5 : 0);
-    }
-    close(fds[1]);
     static char text[1 << 16];
-    ts_pipe_drain(fds[0], text, sizeof text);
-    close(fds[0]);
-    int status = 0;
-    waitpid(pid, &status, 0);
-    bool done = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-    bool told = fixed && WIFSIGNALED(status) && WTERMSIG(status) == SIGALRM &&
+    tree_case t = {fibers, stack_kib, fixed, seconds};
+    int status = ts_child(tree_child, &t, text, sizeof text);
+    bool done = status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    bool told = fixed && status != -1 && WIFSIGNALED(status) && WTERMSIG(status) == SIGALRM &&
                 strstr(text, "SP_ERR_STALLED") != NULL;
     ok(done || told, "fork-join 8 deep on %s pool of %u fibers of %zu KiB: %s (exit %d, signal %d)",
        fixed ? "a fixed" : "a growing", fibers ? fibers : 128, stack_kib ? stack_kib : 256,

@@ -114,19 +114,19 @@ static void text_diag(const char *text) {
     fflush(stdout);
 }
 
-bool ts_dies(void (*fn)(void *), void *arg, const char *needle1, const char *needle2) {
+int ts_child(void (*fn)(void *), void *arg, char *text, size_t cap) {
     int fds[2];
     if (pipe(fds) != 0) {
-        diag("ts_dies: pipe failed");
-        return false;
+        diag("ts_child: pipe failed");
+        return -1;
     }
     fflush(NULL); /* the child must not repeat buffered output */
     pid_t pid = fork();
     if (pid < 0) {
-        diag("ts_dies: fork failed");
+        diag("ts_child: fork failed");
         close(fds[0]);
         close(fds[1]);
-        return false;
+        return -1;
     }
     if (pid == 0) {
         struct rlimit no_core = {0, 0};
@@ -141,16 +141,22 @@ bool ts_dies(void (*fn)(void *), void *arg, const char *needle1, const char *nee
         _exit(0);
     }
     close(fds[1]);
-    static char text[16384];
-    ts_pipe_drain(fds[0], text, sizeof text);
+    ts_pipe_drain(fds[0], text, cap);
     close(fds[0]);
     int status = 0;
     while (waitpid(pid, &status, 0) < 0) {
         if (errno != EINTR) {
-            diag("ts_dies: waitpid failed");
-            return false;
+            diag("ts_child: waitpid failed");
+            return -1;
         }
     }
+    return status;
+}
+
+bool ts_dies(void (*fn)(void *), void *arg, const char *needle1, const char *needle2) {
+    static char text[16384];
+    int status = ts_child(fn, arg, text, sizeof text);
+    if (status == -1) return false;
     bool died = WIFSIGNALED(status);
     bool found = (!needle1 || strstr(text, needle1)) && (!needle2 || strstr(text, needle2));
     if (!died || !found) {

@@ -37,6 +37,11 @@ void ts_pipe_drain(int fd, char *buf, size_t cap);
  * caller holds `lock`, returns within 10 s: the call takes no such lock. Joins the thread. */
 bool ts_done_while_held(sp_mutex *lock, void (*fn)(void *), void *arg);
 
+/* Run fn(arg) in a forked child (exit 0 when it returns; it may _exit itself) with misuse
+ * fatal, the default logger and its stderr captured into text (cap bytes, NUL-terminated).
+ * Returns the child's wait status, -1 if it could not be run (reported with diag). */
+int ts_child(void (*fn)(void *), void *arg, char *text, size_t cap);
+
 /* Run fn(arg) in a forked child with the build's default (fatal) misuse policy and stderr
  * captured. Returns true if the child died by a signal (abort) and its stderr contained
  * every non-NULL needle. */
