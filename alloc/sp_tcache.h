@@ -103,7 +103,9 @@ typedef struct sp_tcache_desc {
 } sp_tcache_desc;
 
 typedef struct sp_tcache_status {
-    /* Same figures as sp_tlsf_status, over everything the thread caches hand out. */
+    /* Same figures as sp_tlsf_status, over everything the thread caches hand out. A block
+     * freed by another thread counts as live (in bytes_used, live_blocks, class_live) until
+     * its owner takes it back from the inbox (remote_pending counts those). */
     size_t bytes_used;     /* granted bytes of live blocks (class sizes; TLSF usable sizes) */
     size_t bytes_free;     /* free bytes in spans of caches, orphans and spares, plus the
                               heaps' */
