@@ -47,11 +47,12 @@ struct sp_fiber {
  * the others. count only grows (under lock; read without it by pool_owns: a fiber that is
  * passed in was acquired after its slot was made). */
 struct sp_fiber_pool {
-    sp_mutex lock; /* free, in_use, count, every fiber's state and next_free */
+    sp_mutex lock; /* free, in_use, count, max, growing, every fiber's state and next_free */
     sp_fiber *free;
     uint32_t in_use;
     uint32_t count; /* fibers made so far */
     uint32_t max;   /* the most it may make */
+    bool growing;   /* an acquire makes more fibers (with the lock released) */
     size_t stack_size;
     char *region;
     size_t region_size;
@@ -139,11 +140,12 @@ static bool size_mul_add(size_t a, size_t b, size_t c, size_t *out) {
     return true;
 }
 
-/* Make fibers [pool->count, to): commit their stacks, guard the page below each, set up their
- * records and push them on the free list. Lock held (or the pool not yet shared). */
-static sp_result pool_make(sp_fiber_pool *pool, uint32_t to) {
+/* Make fibers [from, to): commit their stacks, guard the page below each, set up their records
+ * and chain them (*first .. *last, by next_free). Touches those slots only, which nobody else
+ * sees until they are linked into the free list: no lock needed. Failures are logged. */
+static sp_result pool_make(sp_fiber_pool *pool, uint32_t from, uint32_t to, sp_fiber **first,
+                           sp_fiber **last) {
     const size_t page = sp_page_size(), stack = pool->stack_size, slot = stack + page;
-    uint32_t from = pool->count;
     char *lo = pool->region + from * slot;
     sp_result r = sp_vm_commit(lo, (to - from) * slot);
     for (uint32_t i = from; r == SP_OK && i < to; i++) r = sp_vm_guard(pool->region + i * slot, page);
@@ -151,6 +153,8 @@ static sp_result pool_make(sp_fiber_pool *pool, uint32_t to) {
         sp_vm_guard(lo, (to - from) * slot);
         return r;
     }
+    *first = NULL;
+    *last = &pool->fibers[to - 1];
     for (uint32_t i = to; i-- > from;) {
         sp_fiber *f = &pool->fibers[i];
         f->pool = pool;
@@ -164,11 +168,38 @@ static sp_result pool_make(sp_fiber_pool *pool, uint32_t to) {
 #if TRACK_VALGRIND
         f->valgrind_id = VALGRIND_STACK_REGISTER(f->stack_lo, f->stack_lo + stack);
 #endif
-        f->next_free = pool->free;
-        pool->free = f;
+        f->next_free = *first;
+        *first = f;
     }
-    __atomic_store_n(&pool->count, to, __ATOMIC_RELEASE);
     return SP_OK;
+}
+
+/* Link fibers *first .. *last (just made, up to index `to`) into the free list. Lock held (or
+ * the pool not yet shared). */
+static void pool_link(sp_fiber_pool *pool, sp_fiber *first, sp_fiber *last, uint32_t to) {
+    last->next_free = pool->free;
+    pool->free = first;
+    __atomic_store_n(&pool->count, to, __ATOMIC_RELEASE);
+}
+
+/* Double the pool, up to max. Called and returns with the lock held; releases it while the
+ * stacks are made (a commit and an mprotect per fiber), so that releases go on and a logger
+ * that asks the pool anything does not deadlock. A failure stops the growing for good. */
+static void pool_grow(sp_fiber_pool *pool) {
+    uint32_t from = pool->count, to = from <= pool->max - from ? 2 * from : pool->max;
+    pool->growing = true;
+    sp_mutex_unlock(&pool->lock);
+    sp_fiber *first, *last;
+    sp_result r = pool_make(pool, from, to, &first, &last);
+    if (SP_UNLIKELY(r != SP_OK)) /* pool_make logged the system call's failure */
+        sp_log(SP_LOG_WARN, r, "sp_fiber_acquire", pool,
+               "the fiber pool could not grow beyond %u fibers (it stays at that size)", from);
+    sp_mutex_lock(&pool->lock);
+    pool->growing = false;
+    if (SP_LIKELY(r == SP_OK))
+        pool_link(pool, first, last, to);
+    else
+        pool->max = from;
 }
 
 sp_result sp_fiber_pool_create(sp_fiber_pool **out, uint32_t count, size_t stack_size) {
@@ -201,12 +232,14 @@ sp_result sp_fiber_pool_create_growing(sp_fiber_pool **out, uint32_t count, uint
     pool->stack_size = stack;
     pool->region_size = region_size;
     pool->region = sp_vm_reserve(region_size, 0, false, NULL);
-    sp_result r = pool->region ? pool_make(pool, count) : SP_ERR_OS;
+    sp_fiber *first = NULL, *last = NULL;
+    sp_result r = pool->region ? pool_make(pool, 0, count, &first, &last) : SP_ERR_OS;
     if (SP_UNLIKELY(r != SP_OK)) { /* each failing call has logged why */
         if (pool->region) sp_vm_release(pool->region, region_size);
         free(pool);
         return r;
     }
+    pool_link(pool, first, last, count);
     *out = pool;
     return SP_OK;
 }
@@ -242,14 +275,17 @@ sp_fiber *sp_fiber_acquire(sp_fiber_pool *pool, sp_fiber_fn fn, void *arg) {
         return NULL;
     }
     sp_mutex_lock(&pool->lock);
-    sp_result grown = SP_OK;
-    if (SP_UNLIKELY(!pool->free && pool->count < pool->max)) {
-        /* Double, up to max: a tree of waits deeper than the pool gets the fibers it needs. */
-        uint32_t to = pool->count <= pool->max - pool->count ? 2 * pool->count : pool->max;
-        grown = pool_make(pool, to);
-        if (grown != SP_OK) pool->max = pool->count; /* tried once: no retry on every call */
+    /* None free: grow (a tree of waits deeper than the pool gets the fibers it needs), or wait
+     * for the acquire that is growing it (or for a release). */
+    while (SP_UNLIKELY(!pool->free && pool->count < pool->max)) {
+        if (!pool->growing) {
+            pool_grow(pool);
+        } else {
+            sp_mutex_unlock(&pool->lock);
+            sp_thread_yield();
+            sp_mutex_lock(&pool->lock);
+        }
     }
-    uint32_t count = pool->count;
     sp_fiber *f = pool->free;
     if (SP_LIKELY(f)) {
         pool->free = f->next_free;
@@ -257,9 +293,6 @@ sp_fiber *sp_fiber_acquire(sp_fiber_pool *pool, sp_fiber_fn fn, void *arg) {
         __atomic_store_n(&f->state, FIBER_ACQUIRED, __ATOMIC_RELAXED);
     }
     sp_mutex_unlock(&pool->lock);
-    if (SP_UNLIKELY(grown != SP_OK)) /* pool_make logged the system call's failure */
-        sp_log(SP_LOG_WARN, grown, "sp_fiber_acquire", pool,
-               "the fiber pool could not grow beyond %u fibers (it stays at that size)", count);
     if (SP_UNLIKELY(!f)) return NULL;
         /* The previous life's frames were abandoned mid-stack: their ASan redzones are still
          * poisoned, and their fake stack (if any) is dropped with them. */

@@ -68,16 +68,17 @@ typedef void (*sp_fiber_fn)(sp_fiber *self, void *arg);
 
 /* Create a pool of `count` fibers with stacks of at least `stack_size` bytes. Cost: one
  * reservation of count * (stack + page) + page bytes of address space (physical pages are
- * faulted in as stacks are used), count + 2 mprotect calls, and one heap block for the
+ * faulted in as stacks are used), count + 1 mprotect calls, and one heap block for the
  * fiber records; each stack and its guard are separate kernel mappings (vm.max_map_count).
  * Returns SP_OK with *out set; SP_ERR_INVALID_ARG (misuse: NULL out, count or stack_size 0),
  * SP_ERR_OVERFLOW, SP_ERR_NOMEM or SP_ERR_OS with *out NULL. */
 sp_result sp_fiber_pool_create(sp_fiber_pool **out, uint32_t count, size_t stack_size);
 
 /* The same, for a pool that grows: it starts with `count` fibers and, when an acquire finds
- * every fiber in use, doubles (up to `max`) under the pool's lock (a commit, an mprotect per
- * new fiber and their records set up: about a microsecond per new fiber, milliseconds for a
- * doubling to thousands, paid by that one acquire while others wait for the lock). The address
+ * every fiber in use, doubles (up to `max`). That acquire makes the new fibers with the pool's
+ * lock released (a commit, an mprotect per new fiber, their records set up: 2-40 us per new
+ * fiber measured, so up to tens of milliseconds for a doubling to thousands); releases go on
+ * meanwhile, and other acquires that find no fiber free wait for it (yielding). The address
  * space and records for max fibers are reserved at create; fibers are never unmade before
  * destroy. A growth that fails (logged: SP_LOG_WARN, the system call's id) stops the growing;
  * the acquire then returns NULL as for a full pool. max < count is misuse

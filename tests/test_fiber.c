@@ -1,6 +1,8 @@
 /* Fibers on one thread: ping-pong with arguments, a ring of fibers, per-fiber floating-point
  * control state, callee-saved registers across switches, deep recursion, reuse, pool
  * exhaustion, and misuse reported through the logger. */
+#include <errno.h>
+#include <stdatomic.h>
 #include <string.h>
 
 #include "fiber.h"
@@ -423,6 +425,54 @@ static void test_growth(void) {
     ts_log_release();
 }
 
+/* A growth that fails (mprotect refused, through the link-time wrap below): the acquire
+ * returns NULL, the failure is logged by a logger that asks the pool how many fibers are in
+ * use (it deadlocked when the pool's lock was held across the growth), and the pool stays as
+ * it was without trying again. */
+int __real_mprotect(void *p, size_t n, int prot);
+int __wrap_mprotect(void *p, size_t n, int prot);
+static atomic_int refuse_mprotect;
+int __wrap_mprotect(void *p, size_t n, int prot) {
+    if (atomic_load(&refuse_mprotect)) {
+        errno = ENOMEM;
+        return -1;
+    }
+    return __real_mprotect(p, n, prot);
+}
+
+static sp_fiber_pool *asked_pool;
+static int asked;
+static void asking_logger(void *user, const sp_log_record *rec) {
+    (void)user, (void)rec;
+    asked += sp_fiber_pool_in_use(asked_pool) == 1;
+}
+
+static void test_growth_failure(void) {
+    sp_fiber_pool *pool = NULL;
+    if (sp_fiber_pool_create_growing(&pool, 1, 4, 16 * 1024) != SP_OK) {
+        ok(0, "create a pool of 1 that grows to 4");
+        return;
+    }
+    sp_fiber *a = sp_fiber_acquire(pool, idle_fn, NULL);
+    asked_pool = pool;
+    asked = 0;
+    sp_log_set(asking_logger, NULL);
+    atomic_store(&refuse_mprotect, 1);
+    sp_fiber *b = sp_fiber_acquire(pool, idle_fn, NULL);
+    int asked_first = asked;
+    sp_fiber *c = sp_fiber_acquire(pool, idle_fn, NULL);
+    atomic_store(&refuse_mprotect, 0);
+    ts_log_capture();
+    ok(a && !b && !c && asked_first >= 1 && asked == asked_first &&
+           sp_fiber_pool_count(pool) == 1 && sp_fiber_pool_in_use(pool) == 1,
+       "a growth that fails: NULL, logged (%d records; the logger could ask the pool), the "
+       "pool stays at %u fiber(s), not tried again",
+       asked_first, sp_fiber_pool_count(pool));
+    ts_log_release();
+    if (a) sp_fiber_release(pool, a);
+    sp_fiber_pool_destroy(pool);
+}
+
 /* ---- misuse ---------------------------------------------------------------------------- */
 
 static bool reported(sp_result id, const char *call, const void *addr) {
@@ -492,7 +542,7 @@ static void test_misuse(sp_fiber_pool *pool) {
 }
 
 int main(void) {
-    plan(47);
+    plan(48);
     sp_fiber_pool *pool = NULL;
     is_int(sp_fiber_pool_create(&pool, 32, STACK), SP_OK, "create a pool of 32 fibers");
     main_fiber = sp_fiber_thread_enter();
@@ -506,6 +556,7 @@ int main(void) {
     test_deep(pool);
     test_exhaustion();
     test_growth();
+    test_growth_failure();
     test_misuse(pool);
 
     is_int(sp_fiber_pool_in_use(pool), 0, "nothing left acquired");
