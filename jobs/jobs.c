@@ -320,6 +320,13 @@ sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc) {
         }
     }
     r = sp_fiber_pool_create_growing(&s->pool, d.fibers, d.fibers_max, d.fiber_stack);
+    /* The default fibers_max reserves 32 x the stacks' address space: where that is refused
+     * (an address-space limit), settle for less, down to a fixed pool (each refusal logged). */
+    bool max_default = !desc || desc->fibers_max == 0;
+    while (r == SP_ERR_OS && max_default && s->desc.fibers_max > d.fibers) {
+        s->desc.fibers_max = s->desc.fibers_max / 2 > d.fibers ? s->desc.fibers_max / 2 : d.fibers;
+        r = sp_fiber_pool_create_growing(&s->pool, d.fibers, s->desc.fibers_max, d.fiber_stack);
+    }
     if (r != SP_OK) goto fail;
     s->drain = sp_counter_create(s, "sp_jobs_shutdown");
     if (!s->drain) {

@@ -611,18 +611,18 @@ void jobs_piece_hide(sp_jobs *s, job *j, bool hides) {
     }
 }
 
-/* Whether a job of a rank above `rank` waits where w looks first: its own list and deque
- * (what its own jobs made ready: every step), the queues other threads push to (`shared`:
- * every 16th step, as those lines are written by others). */
+/* Whether a job of a rank above `rank` waits where w looks first: its next-job slot, its own
+ * list and deque (what its own jobs made ready or resumed: every step), the queues other
+ * threads push to (`shared`: every 16th step, as those lines are written by others). */
 static bool higher_waiting(sp_jobs *s, worker *w, int rank, bool shared) {
-    bool any = false;
+    if (w->next_job && (int)w->next_job->rank < rank) return true;
     for (int r = 0; r < rank; r++) {
-        any |= (w->local_head[r] != NULL) | deque_nonempty(w->deque[r]);
-        if (shared)
-            any |= (atomic_load_explicit(&w->pinned[r].size, memory_order_relaxed) != 0) |
-                   (atomic_load_explicit(&s->inject[r].size, memory_order_relaxed) != 0);
+        if (w->local_head[r] || deque_nonempty(w->deque[r])) return true;
+        if (shared && (atomic_load_explicit(&w->pinned[r].size, memory_order_relaxed) ||
+                       atomic_load_explicit(&s->inject[r].size, memory_order_relaxed)))
+            return true;
     }
-    return any;
+    return false;
 }
 
 /* Run what is left of piece j. Lazy binary splitting: before each step, if nothing split off
@@ -633,9 +633,9 @@ static bool higher_waiting(sp_jobs *s, worker *w, int rank, bool shared) {
 void jobs_piece_run(sp_jobs *s, job *j) {
     const sp_jobs_hooks *h = &s->desc.hooks;
     const uint64_t grain = piece_grain(j);
-    while (j->begin < j->end) {
+    for (uint32_t step = 0; j->begin < j->end; step++) {
         worker *w = jobs_current_worker(); /* a step may wait and move us: read it every time */
-        if (j->rank != RANK_HIGH && higher_waiting(s, w, j->rank, (j->begin & 15) == 0) &&
+        if (j->rank != RANK_HIGH && higher_waiting(s, w, j->rank, step % 16 == 0) &&
             piece_spawn(s, w, j, j->begin, j->end)) {
             j->end = j->begin;
             jobs_piece_hide(s, j, false);

@@ -150,7 +150,9 @@ typedef struct sp_jobs_status {
  * (the thread already belongs to a scheduler), SP_ERR_NOMEM (also for a max_jobs too large to
  * allocate), SP_ERR_OS (a thread or the fiber pool could not be made; whatever started is
  * stopped again). Address space for fibers_max stacks is reserved at create (1 GiB with the
- * defaults: 4,096 of 256 KiB, nothing committed until the pool grows into them). */
+ * defaults: 4,096 of 256 KiB, nothing committed until the pool grows into them); where that is
+ * refused (an address-space limit) and fibers_max was left 0, create halves it until the
+ * reservation fits, down to a fixed pool of `fibers` (each refusal logged). */
 sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc);
 
 /* Run every pending job to completion (waiting, helping as the main thread), stop and join

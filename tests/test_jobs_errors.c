@@ -13,6 +13,7 @@
  * another scheduler, a batch waiting on its own counter, negative add/sub, destroy from another
  * thread or with stalled jobs, a sleep hook that signals, a deep fork-join tree. */
 #include <stdlib.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <string.h>
 
@@ -844,6 +845,48 @@ static void deep_tree_case(uint32_t fibers, size_t stack_kib, bool fixed, unsign
     if (!done && !told) diag("child stderr:\n%s", text);
 }
 
+/* Under an address-space limit that refuses the default pool's reservation (32 x 128 stacks
+ * of 256 KiB, 1 GiB), create settles for a smaller fibers_max: it used to fail. In a child,
+ * with RLIMIT_AS at what the process maps now plus 600 MiB (not under sanitizers, whose
+ * shadow mappings such a limit breaks). */
+static long vm_size_kib(void) {
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256];
+    long kib = -1;
+    while (f && fgets(line, sizeof line, f))
+        if (strncmp(line, "VmSize:", 7) == 0) kib = strtol(line + 7, NULL, 10);
+    if (f) fclose(f);
+    return kib;
+}
+
+static void limited_child(void *arg) {
+    (void)arg;
+    long kib = vm_size_kib();
+    struct rlimit lim = {(rlim_t)(kib + 600 * 1024) << 10, (rlim_t)(kib + 600 * 1024) << 10};
+    if (kib < 0 || setrlimit(RLIMIT_AS, &lim) != 0) _exit(3);
+    sp_jobs *s = NULL;
+    sp_jobs_desc d = {.workers = 1};
+    if (sp_jobs_create(&s, &d) != SP_OK) _exit(4);
+    sp_jobs_status st;
+    sp_jobs_status_get(s, &st);
+    sp_jobs_destroy(s);
+    _exit(st.fibers_total == 128 ? 0 : 5);
+}
+
+static void test_audit_address_limit(void) {
+    if (ts_sanitized()) { /* no line: an address-space limit breaks the shadow mappings */
+        diag("address-space limit case not run under a sanitizer or valgrind");
+        return;
+    }
+    static char text[8192];
+    int status = ts_child(limited_child, NULL, text, sizeof text);
+    bool created = status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    ok(created, "default desc under an address-space limit of 600 MiB more: created with a "
+                "smaller fibers_max (exit %d)",
+       status != -1 && WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+    if (!created) diag("child stderr:\n%s", text);
+}
+
 /* The defaults (the pool grows: the tree completes, no wait ran out of fibers), and a fixed 8
  * fibers of 64 KiB, where a wait that nested without the stack check ran off the stack every
  * time. */
@@ -889,6 +932,8 @@ int main(void) {
     test_audit_sleep_hook();
     jt_deadline("audit: a deep fork-join tree", 60);
     test_audit_deep_tree();
+    jt_deadline("audit: an address-space limit", 30);
+    test_audit_address_limit();
     alarm(0);
     jt_log_release();
     return done();

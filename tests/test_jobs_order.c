@@ -1,7 +1,8 @@
 /* Where and when the scheduler runs what is ready (jobs/sp_jobs.h), from a second audit; each
  * test fails with its fix undone:
  *   - a batch (or parallel_for) piece gives way to a higher-priority job that became ready on
- *     its worker, instead of running its remaining lower-priority jobs first;
+ *     its worker (submitted, or resumed), instead of running its remaining lower-priority jobs
+ *     first; to one submitted by another thread within 16 steps;
  *   - the park and resume hooks name the batch job that waits, not the batch's first job;
  *   - a job submitted from another thread while the main thread and a worker sleep runs on the
  *     worker, even when the main thread's wait ends at the same moment (the wake went to the
@@ -76,6 +77,84 @@ static void test_batch_priority(void) {
         sp_counter_destroy(prio_c);
         sp_jobs_destroy(S);
     }
+}
+
+/* A high job that waits, resumed by the first job of a low batch: it runs right after it. */
+static sp_counter *h_gate;
+
+static void parked_high_fn(void *arg) {
+    (void)arg;
+    order[order_n++] = 'h';
+    sp_counter_wait(h_gate, 0);
+    order[order_n++] = 'H';
+}
+
+static void low_opens_fn(void *arg) {
+    order[order_n++] = (char)('0' + (intptr_t)arg);
+    if (arg == 0) sp_counter_sub(h_gate, 1);
+}
+
+/* A parallel_for on the main thread whose first step has another thread submit a high job:
+ * it runs before the range ends (the piece looks at the queues other threads push to every
+ * 16th step). */
+static atomic_int pf_steps, high_after;
+
+static void foreign_high_fn(void *arg) {
+    (void)arg;
+    atomic_store(&high_after, atomic_load(&pf_steps));
+}
+
+static void *submit_high(void *arg) {
+    (void)arg;
+    sp_job_desc h = {.fn = foreign_high_fn, .name = "foreign high", .priority = SP_PRIORITY_HIGH};
+    sp_jobs_submit(S, &h, 1, NULL);
+    return NULL;
+}
+
+static void pf_body(void *arg, uint64_t begin, uint64_t end) {
+    (void)arg, (void)begin, (void)end;
+    if (atomic_fetch_add(&pf_steps, 1) == 0) {
+        pthread_t t;
+        pthread_create(&t, NULL, submit_high, NULL);
+        pthread_join(t, NULL);
+    }
+}
+
+static void test_resumed_and_foreign_priority(void) {
+    sp_jobs_desc d = {.no_workers = true};
+    if (sp_jobs_create(&S, &d) != SP_OK) {
+        ok(0, "create");
+        return;
+    }
+    h_gate = jt_counter(S, "inline", "h gate");
+    sp_counter *c = jt_counter(S, "inline", "batch");
+    sp_counter_add(h_gate, 1);
+    memset(order, 0, sizeof order);
+    order_n = 0;
+    sp_job_desc h = {.fn = parked_high_fn, .name = "high", .priority = SP_PRIORITY_HIGH};
+    sp_job_desc jobs[6];
+    for (intptr_t i = 0; i < 6; i++)
+        jobs[i] = (sp_job_desc){
+            .fn = low_opens_fn, .arg = (void *)i, .name = "low", .priority = SP_PRIORITY_LOW};
+    bool sub = sp_jobs_submit(S, &h, 1, c) == SP_OK && sp_jobs_submit(S, jobs, 6, c) == SP_OK;
+    sp_counter_wait(c, 0);
+    ok(sub && strcmp(order, "h0H12345") == 0,
+       "inline: a parked high job resumed by the first job of a low batch runs right after it "
+       "(%s, want h0H12345)",
+       order);
+    for (uint64_t begin = 0; begin < 2; begin++) { /* the step count, not the index, decides */
+        atomic_store(&pf_steps, 0);
+        atomic_store(&high_after, -1);
+        sp_parallel_for(S, begin, begin + 16 * 64, 16, pf_body, NULL);
+        int after = atomic_load(&high_after);
+        ok(after >= 1 && after <= 17,
+           "inline: a high job another thread submits during a parallel_for of 64 steps from "
+           "index %llu runs within 16 steps (after step %d)",
+           (unsigned long long)begin, after);
+    }
+    sp_counter_destroy(h_gate);
+    sp_counter_destroy(c);
+    sp_jobs_destroy(S);
 }
 
 /* ---- hook names of a waiting batch job ---------------------------------------------------- */
@@ -291,6 +370,7 @@ int main(void) {
     sp_misuse_set_fatal(false);
     jt_deadline("priority inside a batch", 30);
     test_batch_priority();
+    test_resumed_and_foreign_priority();
     jt_deadline("hook names", 30);
     test_hook_names();
     jt_deadline("wake order", 60);
