@@ -109,6 +109,7 @@ ensure_packages() {
         exit 1
     fi
     heading "installing missing packages: ${missing[*]}"
+    INSTALLED= # the build directories' stamps see the new set
     if [[ -n $add_arch ]]; then $add_arch || die "$add_arch failed"; fi
     apt-get update </dev/null || die "apt-get update failed"
     DEBIAN_FRONTEND=noninteractive apt-get install -y "${missing[@]}" </dev/null ||
@@ -125,12 +126,30 @@ ensure_packages() {
 # was configured with; if they changed since (or DIR was configured by hand), DIR is wiped
 # and configured afresh, since a changed compiler or sanitizer cannot be applied in place.
 # A directory whose configuration meson can no longer load is wiped too.
+# The stamp also lists which of PACKAGES are installed: meson looks for optional dependencies
+# (Google Benchmark, the peers, a C++ compiler) only when it configures, so a directory
+# configured before they were installed (`./spin demo` installs only DEMO_PACKAGES) is
+# configured again once they are.
+INSTALLED=
+installed_packages() {
+    if [[ -z $INSTALLED ]]; then
+        local p
+        INSTALLED=packages:
+        for p in "${PACKAGES[@]}"; do
+            if installed "$p"; then INSTALLED+=" $p"; fi
+        done
+    fi
+    printf '%s\n' "$INSTALLED"
+}
+
 setup_dir() {
     local dir=$1
     local -n env_ref=$2 opts_ref=$3
     local stamp="$dir/.spin-setup"
     local want
-    want=$(printf '%s\n' "meson $(meson --version 2>/dev/null)" "${env_ref[@]}" "${opts_ref[@]}")
+    [[ -n $INSTALLED ]] || installed_packages >/dev/null # cached here, not in the $(...) below
+    want=$(printf '%s\n' "meson $(meson --version 2>/dev/null)" "${env_ref[@]}" "${opts_ref[@]}" \
+        "$(installed_packages)")
 
     if [[ -f $dir/meson-private/coredata.dat ]]; then
         if [[ -f $stamp && $(<"$stamp") == "$want" ]]; then
