@@ -307,8 +307,11 @@ TRACK_INTERNAL sp_result sp_handle_unpin(sp_handle_heap *h, sp_handle x) {
     track_enter();
     bool locked = heap_lock(h);
     void *p = sp_handle_resolve(h, x);
-    uint32_t v = p ? blk_of(p)->pins : 0;
-    if (v) blk_of(p)->pins = v - 1;
+    hblk *b = p ? blk_of(p) : NULL;
+    uint32_t v = b ? b->pins : 0;
+    if (v) b->pins = v - 1;
+    /* The last pin of a block right above a hole: compaction may close that hole now. */
+    if (v == 1 && b->prev && blk_prev(b)->id == 0) space_note_hole(h, (char *)blk_prev(b), b->prev);
     heap_unlock(h, locked);
     track_leave();
     if (!p)

@@ -9,8 +9,8 @@
 
 #define RUN_CAP ((size_t)64 << 10) /* bytes per slide memmove: bounds one move's duration */
 #define FILL_LOOKBACK 256          /* blocks below the top examined for a fit */
-#define TRIM_NS 50000              /* budget kept for a decommit */
-#define TRIM_BYTES_PER_NS 40       /* decommit speed assumed (2 MiB in 50 us) */
+#define TRIM_CHUNK ((size_t)2 << 20) /* bytes decommitted between looks at the clock */
+#define TRIM_BYTES_PER_NS 25         /* decommit speed assumed (28-36 measured on touched pages) */
 #define RUN_BLOCKS 256             /* blocks per move (callback bookkeeping on the stack) */
 #define ABSORB_UNITS 4             /* holes up to 64 bytes that nothing fits become slack */
 #define LIVE_TRIES 64              /* candidates examined per size class of the live index */
@@ -266,6 +266,18 @@ TRACK_INTERNAL static void hole_put(sp_handle_heap *h, step *st, hblk *H, hblk *
     run_notify(h, (char *)H, packed, &mv);
 }
 
+/* Hole H becomes slack of the live block below it (nothing moves; the slack goes when that
+ * block moves, packed, or is freed). HOLE_NA at the bottom of the heap. */
+TRACK_INTERNAL static int hole_absorb(sp_handle_heap *h, hblk *H) {
+    if (!H->prev) return HOLE_NA;
+    hblk *below = blk_prev(H), *n = blk_next(H); /* live: holes never touch */
+    space_hole_remove(h, H);
+    below->size += H->size;
+    n->prev = below->size;
+    h->scan = (char *)n;
+    return HOLE_MOVED;
+}
+
 /* Move into hole H the largest of the FILL_LOOKBACK blocks nearest the top that fits (best
  * fit), else the best one the live-size index offers; its old place becomes a hole, closed
  * later (cheaply when near the top). If no live block above fits and the hole is at most
@@ -289,15 +301,7 @@ TRACK_INTERNAL static int hole_fill_above(sp_handle_heap *h, step *st, hblk *H) 
         }
     }
     if (!b) b = live_best(h, H, hs, &best);
-    if (!b) {
-        if (hs > ABSORB_UNITS || !H->prev) return HOLE_NA;
-        hblk *below = blk_prev(H); /* live: holes never touch */
-        space_hole_remove(h, H);
-        below->size += hs;
-        n->prev = below->size;
-        h->scan = (char *)n;
-        return HOLE_MOVED;
-    }
+    if (!b) return hs <= ABSORB_UNITS ? hole_absorb(h, H) : HOLE_NA;
     if (units_bytes(best) > step_room(h, st)) return HOLE_STOP;
     hole_put(h, st, H, b);
     return HOLE_MOVED;
@@ -388,7 +392,14 @@ TRACK_INTERNAL static int hole_close(sp_handle_heap *h, step *st, hblk *H) {
     int r = hole_fill_tail(h, st, H);
     if (r == HOLE_NA) r = hole_fill_above(h, st, H);
     if (r != HOLE_NA) return r;
-    if (!run) return HOLE_LEFT; /* a pinned block right above, nothing fits */
+    if (!run) {
+        /* A pinned block right above, nothing fits: left (the last unpin notes it again). A
+         * block aligned above what the hole can shift it by, nothing fits: it never will, so
+         * the hole becomes slack of the block below, as hole_pad makes a pad. */
+        if (x->pins) return HOLE_LEFT;
+        r = hole_absorb(h, H);
+        return r == HOLE_NA ? HOLE_LEFT : r;
+    }
     r = hole_evacuate(h, st, H);
     if (r != HOLE_NA) return r;
     if (run > room) return HOLE_STOP;
@@ -416,20 +427,22 @@ TRACK_INTERNAL sp_result sp_handle_compact(sp_handle_heap *h, uint64_t budget_ns
         /* A budget past 2^63 ticks (centuries) is none: the conversion would overflow. */
         st.budget_ticks = t < 1.0 ? 1 : t < 0x1p63 ? (uint64_t)t : 0;
     }
-    bool wrapped = false, finished = false;
+    /* Caught up: no hole appeared or opened up since the last pass ended, nothing to walk. */
+    bool finished = h->caught_up;
     unsigned walked = 0;
     bool first_hole = true;
     if (h->scan > h->top) h->scan = h->top;
-    for (;;) {
+    while (!finished) {
         char *s = h->scan;
         if (s >= h->top) {
             if (h->low && h->low >= h->top) h->low = NULL;
-            if (h->low && !wrapped) {
+            if (h->low && !h->wrapped) { /* once per pass, whatever the calls it takes */
                 h->scan = h->low;
                 h->low = NULL;
-                wrapped = true;
+                h->wrapped = true;
                 continue;
             }
+            h->wrapped = false;
             finished = true;
             break;
         }
@@ -450,16 +463,15 @@ TRACK_INTERNAL sp_result sp_handle_compact(sp_handle_heap *h, uint64_t budget_ns
         }
     }
     if (finished) h->caught_up = true;
-    if (!st.budget_ticks)
+    if (!st.budget_ticks) {
         space_trim(h, SIZE_MAX);
-    else {
-        double left_ns = ((double)st.budget_ticks - (double)(sp_ticks() - st.t0)) * h->ns_per_tick;
-        /* a finished pass may overrun by 5% to give back what it freed */
-        if (finished && left_ns < (double)budget_ns / 20) left_ns = (double)budget_ns / 20;
-        if (left_ns >= TRIM_NS || finished) {
-            double bytes = left_ns * TRIM_BYTES_PER_NS; /* clamped: a huge budget gives back all */
-            space_trim(h, bytes >= (double)SIZE_MAX ? SIZE_MAX
-                                                    : sp_align_down((size_t)bytes, HCOMMIT_STEP));
+    } else {
+        /* Give back what the heap no longer needs, TRIM_CHUNK at a time while a chunk's
+         * expected time fits the budget's rest (a finished pass may overrun by 5% for it). */
+        double limit = (double)st.budget_ticks * (finished ? 1.05 : 1.0);
+        double chunk_ticks = (double)TRIM_CHUNK / TRIM_BYTES_PER_NS / h->ns_per_tick;
+        while ((double)(sp_ticks() - st.t0) + chunk_ticks <= limit &&
+               space_trim(h, TRIM_CHUNK) != 0) {
         }
     }
     uint64_t ns = (uint64_t)((double)(sp_ticks() - st.t0) * h->ns_per_tick);

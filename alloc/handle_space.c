@@ -101,9 +101,9 @@ TRACK_INTERNAL void space_header(sp_handle_heap *h, hblk *b, uint32_t units, uin
         n->prev = units;
 }
 
-/* A hole now starts at `start` (n units): keep the compaction scan on block starts and
- * remember holes left behind it. */
-static void scan_note_hole(sp_handle_heap *h, char *start, uint32_t n) {
+/* Keep the compaction scan on block starts and remember holes left behind it (the pass goes
+ * back for them once it reaches the top). */
+void space_note_hole(sp_handle_heap *h, char *start, uint32_t n) {
     h->caught_up = false;
     if (start >= h->scan) return;
     if (h->scan < start + units_bytes(n)) {
@@ -111,8 +111,9 @@ static void scan_note_hole(sp_handle_heap *h, char *start, uint32_t n) {
         /* A hole remembered at or above start is this one (or merged into it): the scan
          * reaches it anyway, and a later pad or move could leave `low` inside a block. */
         if (h->low && h->low >= start) h->low = NULL;
-    } else if (!h->low || start < h->low) {
-        h->low = start;
+    } else {
+        if (!h->low || start < h->low) h->low = start;
+        h->wrapped = false; /* behind the scan: this pass must go back (again) */
     }
 }
 
@@ -144,7 +145,7 @@ TRACK_INTERNAL hblk *space_release(sp_handle_heap *h, hblk *b, uint32_t units) {
         sp_die(SP_ERR_CORRUPT, "sp_handle_free", b, "hole of %llu units", (unsigned long long)n);
     space_header(h, start, (uint32_t)n, start->prev);
     space_hole_insert(h, start);
-    scan_note_hole(h, (char *)start, (uint32_t)n);
+    space_note_hole(h, (char *)start, (uint32_t)n);
     return start;
 }
 
@@ -155,7 +156,7 @@ TRACK_INTERNAL uint32_t space_carve(sp_handle_heap *h, hblk *b, uint32_t units) 
     hblk *r = blk_next(b);
     space_header(h, r, total - units, units);
     space_hole_insert(h, r);
-    scan_note_hole(h, (char *)r, total - units);
+    space_note_hole(h, (char *)r, total - units);
     return units;
 }
 
@@ -171,17 +172,20 @@ sp_result space_commit(sp_handle_heap *h, char *need) {
     return SP_OK;
 }
 
-void space_trim(sp_handle_heap *h, size_t max_bytes) {
+size_t space_trim(sp_handle_heap *h, size_t max_bytes) {
     size_t used = (size_t)(h->top - h->base);
     size_t slack = (size_t)(h->committed - h->top);
     /* Trim when the slack passes 1/64 of the used part (at least one commit step), down to
      * 1/128 (the commit step above the top at least): at rest, at most 1/64 of the heap or
      * one step above the top, and a band between the two against commit/decommit ping-pong. */
     size_t hi = used / 64 > HCOMMIT_STEP ? used / 64 : HCOMMIT_STEP;
-    if (slack <= hi) return;
+    if (slack <= hi) return 0;
     size_t lo = used / 128;
     char *c = (char *)sp_align_up((uintptr_t)(h->top + lo), HCOMMIT_STEP);
-    if (c >= h->committed) return;
+    if (c >= h->committed) return 0;
     if ((size_t)(h->committed - c) > max_bytes) c = h->committed - max_bytes;
-    if (sp_vm_decommit(c, (size_t)(h->committed - c)) == SP_OK) h->committed = c;
+    size_t n = (size_t)(h->committed - c);
+    if (sp_vm_decommit(c, n) != SP_OK) return 0;
+    h->committed = c;
+    return n;
 }

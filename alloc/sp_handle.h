@@ -215,17 +215,20 @@ size_t sp_handle_size(sp_handle_heap *h, sp_handle x);
  *   6. else sliding the run above it (up to 64 KiB or 256 blocks per memmove stretch), which
  *      moves the hole up until it merges with the next hole or the top.
  * Moved blocks are packed (their slack dropped). Pinned blocks never move: a hole right below
- * a pinned block that nothing fits is left (alloc reuses it; retried next call). Blocks
- * aligned above 16 move only by multiples of their alignment (else the pad before them
- * becomes slack of the block below). Relocation callbacks run after each move.
+ * a pinned block that nothing fits is left (alloc reuses it), and looked at again once that
+ * block's last pin goes. Blocks aligned above 16 move only by multiples of their alignment:
+ * the pad before them, or a whole hole smaller than that pad that nothing fits, becomes slack
+ * of the block below. A pass ends at the top, whatever the calls it took; a call after it
+ * walks nothing until a hole appears (a free) or opens up (that last unpin): caught up.
+ * Relocation callbacks run after each move.
  * Budget: the clock (sp_ticks) is read before every hole and every move; a move whose
  * estimated duration (the bandwidth measured so far, taken at 80%, with 5% of the budget
  * kept for the searches) would overrun the budget is not started, except the first move of a
  * call (every call makes progress; one move is at most 64 KiB, or one larger block).
- * Afterwards, if 50 us of the budget are left, or the pass finished (it may then overrun by
- * 5% of the budget), or there is no budget, committed memory more than max(16 KiB, used/64)
- * above the top is decommitted down to used/128 (in 16 KiB steps), at most 40 bytes per ns of
- * budget left (about 2 MB per 50 us; 40 bytes per ns is a set cap, not a measured rate).
+ * Afterwards committed memory more than max(16 KiB, used/64) above the top is decommitted
+ * down to used/128, 2 MiB at a time while another 2 MiB's expected time (at 25 bytes per ns:
+ * 28-36 were measured for pages in use) fits the budget's rest (a finished pass may overrun
+ * the budget by 5% for it), or all of it at once without a budget.
  * Cost: step 1 moves at most 4x the hole + 4 KiB, steps 2-4 at most the hole's size, step 5
  * two blocks larger than the hole; step 6 moves everything up to the
  * next hole, up to the heap's size per call when small holes sit below only larger blocks.

@@ -435,6 +435,61 @@ static void test_audit(void) {
     sp_handle_heap_destroy(hp);
 }
 
+/* A second audit: a hole below a block aligned above what the hole can shift it by became
+ * neither slack nor closed (and kept the pass walking); a hole left by a pinned block made
+ * every budgeted call walk the whole heap above it again, so a heap too large for one call's
+ * walk never caught up; the last unpin of the block above such a hole lets compaction close
+ * it. */
+static void test_audit_left_holes(void) {
+    sp_handle_heap *hp = sp_handle_heap_create(NULL, NULL);
+    sp_handle a = sp_handle_alloc(hp, 16, 0);
+    sp_handle x = sp_handle_alloc(hp, 100, 4096); /* a 4,048-byte pad hole below it */
+    memset(sp_handle_resolve(hp, x), 0x5A, 100);
+    sp_handle_compact_stats cs;
+    sp_handle_compact(hp, 0, &cs);
+    sp_handle_heap_status st;
+    sp_handle_heap_status_get(hp, &st);
+    unsigned char *px = sp_handle_resolve(hp, x);
+    ok(cs.caught_up && st.hole_bytes == 0 && px && (uintptr_t)px % 4096 == 0 && px[99] == 0x5A &&
+           sp_handle_heap_check(hp) == SP_OK,
+       "a hole below a 4096-aligned block nothing fits: slack of the block below (holes %zu)",
+       st.hole_bytes);
+    sp_handle_free(hp, a);
+    sp_handle_free(hp, x);
+    sp_handle_heap_destroy(hp);
+
+    enum { ABOVE = 20000 };
+    sp_handle_heap_desc d = {.region_size = (size_t)256 << 20};
+    hp = sp_handle_heap_create(&d, NULL);
+    sp_handle_alloc(hp, 16, 0);
+    sp_handle gap = sp_handle_alloc(hp, 200, 0);
+    sp_handle p = sp_handle_alloc(hp, 1000, 0);
+    for (int i = 0; i < ABOVE; i++) sp_handle_alloc(hp, 1000, 0);
+    sp_handle_pin(hp, p);
+    sp_handle_free(hp, gap); /* nothing above fits, the pinned block right above: left */
+    int calls = 0;
+    memset(&cs, 0, sizeof cs);
+    for (; calls < 5000 && !cs.caught_up; calls++) sp_handle_compact(hp, 1, &cs);
+    sp_handle_heap_status_get(hp, &st);
+    ok(cs.caught_up && st.caught_up && st.hole_bytes > 0,
+       "a hole kept by a pinned block under %d blocks, 1 ns budgets (a few dozen blocks walked "
+       "a call): caught up after %d calls, the hole kept",
+       ABOVE, calls);
+    sp_handle_compact(hp, 1, &cs);
+    bool stays = cs.caught_up && cs.bytes_moved == 0;
+    sp_handle_unpin(hp, p);
+    sp_handle_heap_status_get(hp, &st);
+    bool reopened = !st.caught_up;
+    sp_handle_compact(hp, 0, &cs);
+    sp_handle_heap_status_get(hp, &st);
+    ok(stays && reopened && cs.caught_up && st.hole_bytes == 0 &&
+           sp_handle_heap_check(hp) == SP_OK,
+       "caught up stays so; the last unpin of the block above the hole reopens it (%d), and "
+       "compaction closes it (holes %zu)",
+       reopened, st.hole_bytes);
+    sp_handle_heap_destroy(hp);
+}
+
 int main(void) {
     test_huge();
     test_basics();
@@ -446,5 +501,6 @@ int main(void) {
     test_budget();
     test_region();
     test_audit();
+    test_audit_left_holes();
     return done();
 }
