@@ -7,14 +7,14 @@
 
 #include "handle_internal.h"
 
-#define RUN_CAP ((size_t)64 << 10) /* bytes per slide memmove: bounds one move's duration */
-#define FILL_LOOKBACK 256          /* blocks below the top examined for a fit */
+#define RUN_CAP ((size_t)64 << 10)   /* bytes per slide memmove: bounds one move's duration */
+#define FILL_LOOKBACK 256            /* blocks below the top examined for a fit */
 #define TRIM_CHUNK ((size_t)2 << 20) /* bytes decommitted between looks at the clock */
 #define TRIM_BYTES_PER_NS 25         /* decommit speed assumed (28-36 measured on touched pages) */
-#define RUN_BLOCKS 256             /* blocks per move (callback bookkeeping on the stack) */
-#define ABSORB_UNITS 4             /* holes up to 64 bytes that nothing fits become slack */
-#define LIVE_TRIES 64              /* candidates examined per size class of the live index */
-#define LIVE_TOTAL 256             /* and in all */
+#define RUN_BLOCKS 256               /* blocks per move (callback bookkeeping on the stack) */
+#define ABSORB_UNITS 4               /* holes up to 64 bytes that nothing fits become slack */
+#define LIVE_TRIES 64                /* candidates examined per size class of the live index */
+#define LIVE_TOTAL 256               /* and in all */
 
 enum { HOLE_MOVED, HOLE_LEFT, HOLE_STOP, HOLE_NA };
 

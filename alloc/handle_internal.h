@@ -83,9 +83,9 @@ struct sp_handle_heap {
      * alloc, free, pin, unpin, size and status wait; the compacting thread's own calls (from
      * callbacks) must not take it. */
     const char *compactor;
-    char *scan;   /* the current pass continues here (a block start, or >= top) */
-    char *low;    /* lowest hole left behind the scan this pass, or NULL */
-    bool wrapped; /* this pass went back to `low` once (it ends at the top), across calls */
+    char *scan;     /* the current pass continues here (a block start, or >= top) */
+    char *low;      /* lowest hole left behind the scan this pass, or NULL */
+    bool wrapped;   /* this pass went back to `low` once (it ends at the top), across calls */
     bool caught_up; /* the last pass ended and no hole appeared or opened up since: compaction
                        has nothing to do (holes kept by pinned blocks stay) */
     double bytes_per_tick; /* measured move bandwidth, for the budget estimate */

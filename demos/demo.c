@@ -191,8 +191,8 @@ int main(int argc, char **argv) {
     if (help || argc > 3 || !(seconds > 0 && seconds <= 3600) ||
         !(entities >= 1 && entities <= MAX_ENTITIES / 2 && entities == floor(entities))) {
         fprintf(help ? stdout : stderr,
-                "usage: %s [SECONDS (0-3600], default 2] [ENTITIES 1-%d, default 20000]\n",
-                argv[0], MAX_ENTITIES / 2);
+                "usage: %s [SECONDS (0-3600], default 2] [ENTITIES 1-%d, default 20000]\n", argv[0],
+                MAX_ENTITIES / 2);
         return help ? 0 : 2;
     }
     sp_desc desc = {0};

@@ -148,7 +148,8 @@ static sp_result pool_make(sp_fiber_pool *pool, uint32_t from, uint32_t to, sp_f
     const size_t page = sp_page_size(), stack = pool->stack_size, slot = stack + page;
     char *lo = pool->region + from * slot;
     sp_result r = sp_vm_commit(lo, (to - from) * slot);
-    for (uint32_t i = from; r == SP_OK && i < to; i++) r = sp_vm_guard(pool->region + i * slot, page);
+    for (uint32_t i = from; r == SP_OK && i < to; i++)
+        r = sp_vm_guard(pool->region + i * slot, page);
     if (SP_UNLIKELY(r != SP_OK)) { /* back to inaccessible: the slots stay unmade */
         sp_vm_guard(lo, (to - from) * slot);
         return r;

@@ -244,8 +244,8 @@ static sp_result desc_resolve(sp_jobs_desc *d) {
     if (d->deque_size == 0) d->deque_size = 4096;
     if (d->spin_ns == 0) d->spin_ns = 50000;
     if (d->watchdog_ms == 0) d->watchdog_ms = 2000;
-    if (d->workers > MAX_WORKERS - 1 || d->fibers < d->workers + 2 ||
-        d->fibers_max < d->fibers || !sp_is_pow2(d->deque_size) || d->deque_size > (1u << 24))
+    if (d->workers > MAX_WORKERS - 1 || d->fibers < d->workers + 2 || d->fibers_max < d->fibers ||
+        !sp_is_pow2(d->deque_size) || d->deque_size > (1u << 24))
         return SP_ERR_INVALID_ARG;
     return SP_OK;
 }

@@ -174,7 +174,7 @@ struct sp_jobs {
     _Atomic uint32_t exhaustion_logged;
     _Atomic uint32_t nest_logged;  /* a nested wait stopped starting jobs (stack low): told */
     _Atomic uint32_t stall_logged; /* ... and then nothing finished for a second: told */
-    sp_counter *drain; /* the main thread waits on it during shutdown */
+    sp_counter *drain;             /* the main thread waits on it during shutdown */
     _Atomic uint32_t drained;
     uint64_t drain_last_done, drain_still_since; /* main thread only */
     bool abandoned; /* shutdown gave up on jobs that could never run (main thread only) */

@@ -25,8 +25,9 @@
  * lazily (a few records and steals per batch, not one per job); a piece takes its finished
  * jobs off the counter when it ends or when one of its jobs waits, so the value may lag behind
  * jobs that have returned while their piece still runs. Between its jobs a piece gives way to
- * a higher-priority job that became ready on its worker (its rest is queued again). Wait with sp_counter_wait, never by
- * polling sp_counter_value in a job (a sibling the poll waits for may be queued behind it).
+ * a higher-priority job that became ready on its worker (its rest is queued again). Wait with
+ * sp_counter_wait, never by polling sp_counter_value in a job (a sibling the poll waits for may be
+ * queued behind it).
  *
  * Jobs wait for each other only through counters. A job that blocks its thread on something
  * another job must do (a mutex, a condition variable, a spin on a flag) may deadlock.
@@ -136,8 +137,8 @@ typedef struct sp_jobs_status {
     uint64_t jobs_submitted; /* since create; parallel_for pieces split off count as jobs */
     uint64_t jobs_run;       /* finished (each with a job_begin and a job_end hook call) */
     uint64_t jobs_stolen;
-    uint64_t parks;         /* waits that parked a fiber */
-    uint32_t fibers_in_use; /* acquired from the pool (running, parked or cached by a worker) */
+    uint64_t parks;             /* waits that parked a fiber */
+    uint32_t fibers_in_use;     /* acquired from the pool (running, parked or cached by a worker) */
     uint32_t fibers_total;      /* made so far: fibers, more once the pool grew */
     uint32_t fiber_exhaustions; /* waits that found no free fiber and ran jobs on their stack */
     uint64_t sleeps;            /* futex sleeps of idle workers */

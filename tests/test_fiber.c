@@ -385,8 +385,8 @@ static void test_growth(void) {
         got += f[i] != NULL;
     }
     ok(got == MAX && counts[1] == 2 && counts[2] == 4 && counts[3] == 4 && counts[4] == 5,
-       "5 acquired; the pool made 2, then 4 (doubled), then 5 (its max): %u %u %u %u %u",
-       counts[0], counts[1], counts[2], counts[3], counts[4]);
+       "5 acquired; the pool made 2, then 4 (doubled), then 5 (its max): %u %u %u %u %u", counts[0],
+       counts[1], counts[2], counts[3], counts[4]);
     ok(sp_fiber_acquire(pool, idle_fn, NULL) == NULL && sp_fiber_pool_count(pool) == MAX,
        "a sixth acquire returns NULL, nothing more made");
     bool apart = true;

@@ -1,6 +1,7 @@
 /* Death tests for fibers, each in a forked child: overflowing a fiber stack (of a fixed pool,
- * or one a growing pool made later) faults on the guard page below it (SIGSEGV with the fault address inside that guard, so the neighbouring
- * stack was never written), and a fiber function that returns dies through sp_die. */
+ * or one a growing pool made later) faults on the guard page below it (SIGSEGV with the fault
+ * address inside that guard, so the neighbouring stack was never written), and a fiber function
+ * that returns dies through sp_die. */
 #include <signal.h>
 #include <string.h>
 #include <unistd.h>

@@ -482,8 +482,7 @@ static void test_audit_left_holes(void) {
     bool reopened = !st.caught_up;
     sp_handle_compact(hp, 0, &cs);
     sp_handle_heap_status_get(hp, &st);
-    ok(stays && reopened && cs.caught_up && st.hole_bytes == 0 &&
-           sp_handle_heap_check(hp) == SP_OK,
+    ok(stays && reopened && cs.caught_up && st.hole_bytes == 0 && sp_handle_heap_check(hp) == SP_OK,
        "caught up stays so; the last unpin of the block above the hole reopens it (%d), and "
        "compaction closes it (holes %zu)",
        reopened, st.hole_bytes);

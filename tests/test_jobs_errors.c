@@ -13,9 +13,9 @@
  * another scheduler, a batch waiting on its own counter, negative add/sub, destroy from another
  * thread or with stalled jobs, a sleep hook that signals, a deep fork-join tree. */
 #include <stdlib.h>
+#include <string.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
-#include <string.h>
 
 #include "jobs_internal.h"
 #include "jobs_support.h"
@@ -881,8 +881,9 @@ static void test_audit_address_limit(void) {
     static char text[8192];
     int status = ts_child(limited_child, NULL, text, sizeof text);
     bool created = status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 0;
-    ok(created, "default desc under an address-space limit of 600 MiB more: created with a "
-                "smaller fibers_max (exit %d)",
+    ok(created,
+       "default desc under an address-space limit of 600 MiB more: created with a "
+       "smaller fibers_max (exit %d)",
        status != -1 && WIFEXITED(status) ? WEXITSTATUS(status) : -1);
     if (!created) diag("child stderr:\n%s", text);
 }

@@ -19,6 +19,13 @@
 
 static sp_jobs *S;
 
+/* S made from d, or a failed line (false). */
+static bool create(sp_jobs_desc d) {
+    if (sp_jobs_create(&S, &d) == SP_OK) return true;
+    ok(0, "sp_jobs_create");
+    return false;
+}
+
 /* Poll until *v is set: false after 5 s (it takes microseconds; the bound only keeps a
  * failure from waiting for the shutdown that would run it at last). */
 static bool soon(atomic_int *v) {
@@ -52,11 +59,7 @@ static void low_fn(void *arg) {
 /* Inline (deterministic): 6 low jobs, as single submits and as one batch. */
 static void test_batch_priority(void) {
     for (int batch = 0; batch < 2; batch++) {
-        sp_jobs_desc d = {.no_workers = true};
-        if (sp_jobs_create(&S, &d) != SP_OK) {
-            ok(0, "create");
-            return;
-        }
+        if (!create((sp_jobs_desc){.no_workers = true})) return;
         prio_c = jt_counter(S, "inline", "prio");
         memset(order, 0, sizeof order);
         order_n = 0;
@@ -121,11 +124,7 @@ static void pf_body(void *arg, uint64_t begin, uint64_t end) {
 }
 
 static void test_resumed_and_foreign_priority(void) {
-    sp_jobs_desc d = {.no_workers = true};
-    if (sp_jobs_create(&S, &d) != SP_OK) {
-        ok(0, "create");
-        return;
-    }
+    if (!create((sp_jobs_desc){.no_workers = true})) return;
     h_gate = jt_counter(S, "inline", "h gate");
     sp_counter *c = jt_counter(S, "inline", "batch");
     sp_counter_add(h_gate, 1);
@@ -183,11 +182,9 @@ static void gate_open_fn(void *arg) {
 }
 
 static void test_hook_names(void) {
-    sp_jobs_desc d = {.no_workers = true, .hooks = {.job_park = on_park, .job_resume = on_resume}};
-    if (sp_jobs_create(&S, &d) != SP_OK) {
-        ok(0, "create");
+    if (!create((sp_jobs_desc){.no_workers = true,
+                               .hooks = {.job_park = on_park, .job_resume = on_resume}}))
         return;
-    }
     gate = jt_counter(S, "inline", "gate");
     sp_counter *c = jt_counter(S, "inline", "batch");
     sp_counter_add(gate, 1);
@@ -215,7 +212,7 @@ static void j_fn(void *arg) {
 
 static void *submit_then_signal(void *arg) {
     (void)arg;
-    usleep(20000);         /* the main thread and the worker are asleep by now (mostly) */
+    usleep(20000); /* the main thread and the worker are asleep by now (mostly) */
     sp_job_desc j = jt_job(j_fn, NULL, "J");
     sp_jobs_submit(S, &j, 1, NULL);
     sp_counter_sub(main_waits, 1);
@@ -225,11 +222,7 @@ static void *submit_then_signal(void *arg) {
 static void test_wake_order(void) {
     int ran = 0, rounds = 3;
     for (int r = 0; r < rounds; r++) {
-        sp_jobs_desc d = {.workers = 1};
-        if (sp_jobs_create(&S, &d) != SP_OK) {
-            ok(0, "create");
-            return;
-        }
+        if (!create((sp_jobs_desc){.workers = 1})) return;
         main_waits = jt_counter(S, "1 worker", "main waits");
         atomic_store(&j_ran, 0);
         sp_counter_add(main_waits, 1);
@@ -262,8 +255,8 @@ static void p_fn(void *arg) { /* low, unpinned: parks on the worker */
 static void s_fn(void *arg) { /* pinned to the main thread */
     (void)arg;
     sp_counter_wait(p_started, 0);
-    usleep(10000);              /* P parks meanwhile (mostly) */
-    sp_counter_sub(p_go, 1);    /* P ready: into this thread's next-job slot */
+    usleep(10000);             /* P parks meanwhile (mostly) */
+    sp_counter_sub(p_go, 1);   /* P ready: into this thread's next-job slot */
     sp_counter_sub(body_c, 1); /* the body's wait ends: the main thread's own stack resumes */
 }
 
@@ -282,11 +275,7 @@ static void body_fn(void *arg, uint64_t begin, uint64_t end) {
 static void test_pfor_resume(void) {
     int done_rounds = 0, rounds = 3;
     for (int r = 0; r < rounds; r++) {
-        sp_jobs_desc d = {.workers = 1};
-        if (sp_jobs_create(&S, &d) != SP_OK) {
-            ok(0, "create");
-            return;
-        }
+        if (!create((sp_jobs_desc){.workers = 1})) return;
         body_c = jt_counter(S, "1 worker", "body");
         p_go = jt_counter(S, "1 worker", "p go");
         p_started = jt_counter(S, "1 worker", "p started");
@@ -332,11 +321,7 @@ static void *ready_late(void *arg) {
 }
 
 static void test_readied_during_abandon(void) {
-    sp_jobs_desc d = {.workers = 1};
-    if (sp_jobs_create(&S, &d) != SP_OK) {
-        ok(0, "create");
-        return;
-    }
+    if (!create((sp_jobs_desc){.workers = 1})) return;
     never = jt_counter(S, "1 worker", "never");
     late = jt_counter(S, "1 worker", "late");
     sp_counter_add(never, 1);
