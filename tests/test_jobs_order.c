@@ -172,9 +172,9 @@ static void on_resume(void *user, uint32_t worker, const char *name) {
 static void nop_fn(void *arg) {
     (void)arg;
 }
-static void gate_wait_fn(void *arg) {
-    (void)arg;
-    sp_counter_wait(gate, 0);
+/* Waits on the counter it is given. */
+static void wait_fn(void *counter) {
+    sp_counter_wait(counter, 0);
 }
 static void gate_open_fn(void *arg) {
     (void)arg;
@@ -188,7 +188,7 @@ static void test_hook_names(void) {
     gate = jt_counter(S, "inline", "gate");
     sp_counter *c = jt_counter(S, "inline", "batch");
     sp_counter_add(gate, 1);
-    sp_job_desc jobs[3] = {jt_job(nop_fn, NULL, "A"), jt_job(gate_wait_fn, NULL, "B"),
+    sp_job_desc jobs[3] = {jt_job(nop_fn, NULL, "A"), jt_job(wait_fn, gate, "B"),
                            jt_job(gate_open_fn, NULL, "C")};
     bool sub = sp_jobs_submit(S, jobs, 3, c) == SP_OK;
     sp_counter_wait(c, 0);
@@ -295,10 +295,6 @@ static void test_pfor_resume(void) {
 static sp_counter *never, *late;
 static atomic_int go_signal, signalled, b_resumed;
 
-static void never_fn(void *arg) {
-    (void)arg;
-    sp_counter_wait(never, 0);
-}
 static void late_fn(void *arg) {
     (void)arg;
     sp_counter_wait(late, 0);
@@ -326,7 +322,7 @@ static void test_readied_during_abandon(void) {
     late = jt_counter(S, "1 worker", "late");
     sp_counter_add(never, 1);
     sp_counter_add(late, 1);
-    sp_job_desc a = jt_job(never_fn, NULL, "A");
+    sp_job_desc a = jt_job(wait_fn, never, "A");
     sp_job_desc b = {.fn = late_fn, .name = "B", .pinned = true, .worker = 0};
     sp_jobs_submit(S, &a, 1, NULL);
     sp_jobs_submit(S, &b, 1, NULL);
