@@ -123,6 +123,7 @@ TRACK_INTERNAL static hblk *block_take(sp_handle_heap *h, uint32_t units, size_t
         b->prev = h->top_prev;
         b->size = units + extra;
         h->top_prev = units + extra;
+        space_note_change(h); /* a block above the holes that may fit one left */
     }
     b->id = UINT32_MAX; /* taken: the releases below must not merge into it */
     if (extra) {        /* split off a front pad (0 or >= HMIN_UNITS units) so the payload aligns */
@@ -310,8 +311,7 @@ TRACK_INTERNAL sp_result sp_handle_unpin(sp_handle_heap *h, sp_handle x) {
     hblk *b = p ? blk_of(p) : NULL;
     uint32_t v = b ? b->pins : 0;
     if (v) b->pins = v - 1;
-    /* The last pin of a block right above a hole: compaction may close that hole now. */
-    if (v == 1 && b->prev && blk_prev(b)->id == 0) space_note_hole(h, (char *)blk_prev(b), b->prev);
+    if (v == 1) space_note_change(h); /* a hole left for this pin (or one it fits) may close */
     heap_unlock(h, locked);
     track_leave();
     if (!p)

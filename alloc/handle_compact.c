@@ -15,6 +15,7 @@
 #define ABSORB_UNITS 4               /* holes up to 64 bytes that nothing fits become slack */
 #define LIVE_TRIES 64                /* candidates examined per size class of the live index */
 #define LIVE_TOTAL 256               /* and in all */
+#define PASS_WRAPS 4                 /* walks back to the lowest hole left, at most, a pass */
 
 enum { HOLE_MOVED, HOLE_LEFT, HOLE_STOP, HOLE_NA };
 
@@ -436,13 +437,19 @@ TRACK_INTERNAL sp_result sp_handle_compact(sp_handle_heap *h, uint64_t budget_ns
         char *s = h->scan;
         if (s >= h->top) {
             if (h->low && h->low >= h->top) h->low = NULL;
-            if (h->low && !h->wrapped) { /* once per pass, whatever the calls it takes */
+            /* Back to the lowest hole left, whatever the calls it takes; again (up to
+             * PASS_WRAPS times a pass, so that moves that only shuffle cannot keep a pass from
+             * ending) while the last walk from there moved anything: it may have made a left
+             * hole closable. */
+            uint64_t moved_so_far = h->moved_total + st.moved;
+            if (h->low && h->wraps < PASS_WRAPS && (!h->wraps || h->wrap_moved != moved_so_far)) {
                 h->scan = h->low;
                 h->low = NULL;
-                h->wrapped = true;
+                h->wraps++;
+                h->wrap_moved = moved_so_far;
                 continue;
             }
-            h->wrapped = false;
+            h->wraps = 0;
             finished = true;
             break;
         }
@@ -466,12 +473,17 @@ TRACK_INTERNAL sp_result sp_handle_compact(sp_handle_heap *h, uint64_t budget_ns
     if (!st.budget_ticks) {
         space_trim(h, SIZE_MAX);
     } else {
-        /* Give back what the heap no longer needs, TRIM_CHUNK at a time while a chunk's
-         * expected time fits the budget's rest (a finished pass may overrun by 5% for it). */
+        /* Give back what the heap no longer needs, at most TRIM_CHUNK at a time and no more
+         * than the budget's rest covers at TRIM_BYTES_PER_NS (a finished pass may overrun by
+         * 5% for it, and gives back at least one commit step). */
         double limit = (double)st.budget_ticks * (finished ? 1.05 : 1.0);
-        double chunk_ticks = (double)TRIM_CHUNK / TRIM_BYTES_PER_NS / h->ns_per_tick;
-        while ((double)(sp_ticks() - st.t0) + chunk_ticks <= limit &&
-               space_trim(h, TRIM_CHUNK) != 0) {
+        for (bool first = true;; first = false) {
+            double left_ns = (limit - (double)(sp_ticks() - st.t0)) * h->ns_per_tick;
+            double bytes = left_ns > 0 ? left_ns * TRIM_BYTES_PER_NS : 0;
+            size_t chunk = bytes >= (double)TRIM_CHUNK ? TRIM_CHUNK
+                                                       : sp_align_down((size_t)bytes, HCOMMIT_STEP);
+            if (chunk == 0 && first && finished) chunk = HCOMMIT_STEP;
+            if (chunk == 0 || space_trim(h, chunk) == 0) break;
         }
     }
     uint64_t ns = (uint64_t)((double)(sp_ticks() - st.t0) * h->ns_per_tick);

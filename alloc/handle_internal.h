@@ -83,11 +83,12 @@ struct sp_handle_heap {
      * alloc, free, pin, unpin, size and status wait; the compacting thread's own calls (from
      * callbacks) must not take it. */
     const char *compactor;
-    char *scan;     /* the current pass continues here (a block start, or >= top) */
-    char *low;      /* lowest hole left behind the scan this pass, or NULL */
-    bool wrapped;   /* this pass went back to `low` once (it ends at the top), across calls */
-    bool caught_up; /* the last pass ended and no hole appeared or opened up since: compaction
-                       has nothing to do (holes kept by pinned blocks stay) */
+    char *scan;          /* the current pass continues here (a block start, or >= top) */
+    char *low;           /* lowest hole left behind the scan this pass, or NULL */
+    uint32_t wraps;      /* times this pass went back to `low` (it ends at the top), across calls */
+    uint64_t wrap_moved; /* moved_total (with the running call's) when it last did so */
+    bool caught_up;      /* the last pass ended and nothing changed since that could close a hole
+                            (holes appeared, left ones may fit something): nothing to do */
     double bytes_per_tick; /* measured move bandwidth, for the budget estimate */
     double ns_per_tick;
     uint64_t moved_last, moved_total, compact_ns_last;
@@ -152,10 +153,9 @@ SP_HIDDEN sp_result space_commit(sp_handle_heap *h, char *need);
  * (a multiple of HCOMMIT_STEP) from the end of the committed range. Returns the bytes given
  * back (0: nothing to give, or the decommit failed). */
 SP_HIDDEN size_t space_trim(sp_handle_heap *h, size_t max_bytes);
-/* A hole at start (n units) appeared, or may now close (the block above it was unpinned):
- * the pass that is under way comes back for it if it lies behind the scan, and compaction is
- * not caught up. */
-SP_HIDDEN void space_note_hole(sp_handle_heap *h, char *start, uint32_t n);
+/* Something that can let a hole compaction left close happened (a last unpin, a block taken at
+ * the top, the top lowered): if any was left (`low`), the next call goes back for it. */
+SP_HIDDEN void space_note_change(sp_handle_heap *h);
 SP_HIDDEN size_t space_largest_hole(const sp_handle_heap *h);
 /* Take `units` at the front of hole b (removed from its list), the rest becomes a hole again
  * (or slack of the block if under HMIN_UNITS). Returns the units the block got. */

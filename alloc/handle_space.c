@@ -101,9 +101,16 @@ TRACK_INTERNAL void space_header(sp_handle_heap *h, hblk *b, uint32_t units, uin
         n->prev = units;
 }
 
-/* Keep the compaction scan on block starts and remember holes left behind it (the pass goes
- * back for them once it reaches the top). */
-void space_note_hole(sp_handle_heap *h, char *start, uint32_t n) {
+void space_note_change(sp_handle_heap *h) {
+    if (!h->low) return;
+    h->caught_up = false;
+    h->wraps = 0;
+}
+
+/* A hole at start (n units) appeared: keep the compaction scan on block starts and remember
+ * holes left behind it (the pass goes back for them once it reaches the top); compaction is
+ * not caught up. */
+static void space_note_hole(sp_handle_heap *h, char *start, uint32_t n) {
     h->caught_up = false;
     if (start >= h->scan) return;
     if (h->scan < start + units_bytes(n)) {
@@ -113,7 +120,7 @@ void space_note_hole(sp_handle_heap *h, char *start, uint32_t n) {
         if (h->low && h->low >= start) h->low = NULL;
     } else {
         if (!h->low || start < h->low) h->low = start;
-        h->wrapped = false; /* behind the scan: this pass must go back (again) */
+        h->wraps = 0; /* behind the scan: this pass must go back (again) */
     }
 }
 
@@ -134,6 +141,7 @@ TRACK_INTERNAL hblk *space_release(sp_handle_heap *h, hblk *b, uint32_t units) {
         h->top_prev = start->prev;
         if (h->scan > h->top) h->scan = h->top;
         if (h->low && h->low >= h->top) h->low = NULL;
+        space_note_change(h); /* blocks nearest the top are others now */
         return NULL;
     }
     hblk *nb = (hblk *)end;

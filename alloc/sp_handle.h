@@ -127,8 +127,9 @@ typedef struct sp_handle_compact_stats {
     uint64_t bytes_moved;  /* this call */
     uint64_t blocks_moved; /* this call */
     uint64_t ns;           /* time spent in this call */
-    bool caught_up;        /* no hole left below the top that compaction could close (holes kept by
-                              pinned blocks do not count) */
+    bool caught_up;        /* the pass ended: no hole left below the top that it could close
+                              (holes kept by pinned blocks, and at the very bottom below an
+                              aligned block, do not count) */
 } sp_handle_compact_stats;
 
 typedef struct sp_handle_heap_status {
@@ -215,20 +216,22 @@ size_t sp_handle_size(sp_handle_heap *h, sp_handle x);
  *   6. else sliding the run above it (up to 64 KiB or 256 blocks per memmove stretch), which
  *      moves the hole up until it merges with the next hole or the top.
  * Moved blocks are packed (their slack dropped). Pinned blocks never move: a hole right below
- * a pinned block that nothing fits is left (alloc reuses it), and looked at again once that
- * block's last pin goes. Blocks aligned above 16 move only by multiples of their alignment:
- * the pad before them, or a whole hole smaller than that pad that nothing fits, becomes slack
- * of the block below. A pass ends at the top, whatever the calls it took; a call after it
- * walks nothing until a hole appears (a free) or opens up (that last unpin): caught up.
- * Relocation callbacks run after each move.
+ * a pinned block that nothing fits is left (alloc reuses it). Blocks aligned above 16 move
+ * only by multiples of their alignment: the pad before them, or a whole hole smaller than that
+ * pad that nothing fits, becomes slack of the block below (a hole at the very bottom is left).
+ * A pass ends at the top, whatever the calls it took, after going back to the lowest hole it
+ * left (again while that walk moved anything, at most 4 times a pass); a call after it walks
+ * nothing until a hole appears (a free) or something may let a left hole close (a block's last
+ * unpin, a block taken at the top, the top lowered): caught up. With pins, a fresh walk may
+ * still find a little to move that the pass did not. Relocation callbacks run after each move.
  * Budget: the clock (sp_ticks) is read before every hole and every move; a move whose
  * estimated duration (the bandwidth measured so far, taken at 80%, with 5% of the budget
  * kept for the searches) would overrun the budget is not started, except the first move of a
  * call (every call makes progress; one move is at most 64 KiB, or one larger block).
  * Afterwards committed memory more than max(16 KiB, used/64) above the top is decommitted
- * down to used/128, 2 MiB at a time while another 2 MiB's expected time (at 25 bytes per ns:
- * 28-36 were measured for pages in use) fits the budget's rest (a finished pass may overrun
- * the budget by 5% for it), or all of it at once without a budget.
+ * down to used/128, at most 2 MiB at a time and no more than the budget's rest covers at 25
+ * bytes per ns (28-36 were measured for pages in use; a finished pass may overrun the budget
+ * by 5% for it, and gives back at least 16 KiB), or all of it at once without a budget.
  * Cost: step 1 moves at most 4x the hole + 4 KiB, steps 2-4 at most the hole's size, step 5
  * two blocks larger than the hole; step 6 moves everything up to the
  * next hole, up to the heap's size per call when small holes sit below only larger blocks.
