@@ -474,9 +474,9 @@ TRACK_INTERNAL sp_result sp_handle_compact(sp_handle_heap *h, uint64_t budget_ns
         space_trim(h, SIZE_MAX);
     } else {
         /* Give back what the heap no longer needs, at most TRIM_CHUNK at a time and no more
-         * than the budget's rest covers at TRIM_BYTES_PER_NS (a finished pass may overrun by
-         * 5% for it, and gives back at least one commit step). */
-        double limit = (double)st.budget_ticks * (finished ? 1.05 : 1.0);
+         * than the budget's rest covers at TRIM_BYTES_PER_NS (a finished pass gives back at
+         * least one commit step, over the budget if need be: a few microseconds). */
+        double limit = (double)st.budget_ticks;
         for (bool first = true;; first = false) {
             double left_ns = (limit - (double)(sp_ticks() - st.t0)) * h->ns_per_tick;
             double bytes = left_ns > 0 ? left_ns * TRIM_BYTES_PER_NS : 0;

@@ -230,8 +230,8 @@ size_t sp_handle_size(sp_handle_heap *h, sp_handle x);
  * call (every call makes progress; one move is at most 64 KiB, or one larger block).
  * Afterwards committed memory more than max(16 KiB, used/64) above the top is decommitted
  * down to used/128, at most 2 MiB at a time and no more than the budget's rest covers at 25
- * bytes per ns (28-36 were measured for pages in use; a finished pass may overrun the budget
- * by 5% for it, and gives back at least 16 KiB), or all of it at once without a budget.
+ * bytes per ns (28-36 were measured for pages in use; a finished pass gives back at least
+ * 16 KiB, over the budget if need be), or all of it at once without a budget.
  * Cost: step 1 moves at most 4x the hole + 4 KiB, steps 2-4 at most the hole's size, step 5
  * two blocks larger than the hole; step 6 moves everything up to the
  * next hole, up to the heap's size per call when small holes sit below only larger blocks.
