@@ -229,9 +229,10 @@ size_t sp_handle_size(sp_handle_heap *h, sp_handle x);
  * kept for the searches) would overrun the budget is not started, except the first move of a
  * call (every call makes progress; one move is at most 64 KiB, or one larger block).
  * Afterwards committed memory more than max(16 KiB, used/64) above the top is decommitted
- * down to used/128, at most 2 MiB at a time and no more than the budget's rest covers at 25
- * bytes per ns (28-36 were measured for pages in use; a finished pass gives back at least
- * 16 KiB, over the budget if need be), or all of it at once without a budget.
+ * down to used/128: 2 MiB at a time while the budget's rest covers that at 25 bytes per ns
+ * plus 20 us of system calls (28-36 bytes per ns were measured for pages in use); after a
+ * finished pass also a last smaller piece the rest covers, or at least 16 KiB (over the budget
+ * if need be); all of it at once without a budget.
  * Cost: step 1 moves at most 4x the hole + 4 KiB, steps 2-4 at most the hole's size, step 5
  * two blocks larger than the hole; step 6 moves everything up to the
  * next hole, up to the heap's size per call when small holes sit below only larger blocks.
