@@ -395,7 +395,7 @@ TRACK_INTERNAL static int hole_close(sp_handle_heap *h, step *st, hblk *H) {
     if (r == HOLE_NA) r = hole_fill_above(h, st, H);
     if (r != HOLE_NA) return r;
     if (!run) {
-        /* A pinned block right above, nothing fits: left (the last unpin notes it again). A
+        /* A pinned block right above, nothing fits: left (space_note_change reopens it). A
          * block aligned above what the hole can shift it by, nothing fits: it never will, so
          * the hole becomes slack of the block below, as hole_pad makes a pad. */
         if (x->pins) return HOLE_LEFT;
@@ -479,7 +479,7 @@ TRACK_INTERNAL sp_result sp_handle_compact(sp_handle_heap *h, uint64_t budget_ns
          * finished pass also a last, smaller piece that the rest covers, or at least one
          * commit step (over the budget if need be: microseconds), so that budgets too short
          * for a whole chunk give memory back too. In the middle of a pass only whole chunks:
-         * small decommits every frame cost more than they are estimated at (TLB shootdowns;
+         * small decommits every frame cost more than the estimate (why was not measured;
          * handle/budget's p99 went from 0.98 to 1.05 of the budget with them). */
         for (bool first = true;; first = false) {
             double left_ns =
