@@ -69,7 +69,6 @@ static void abandon_waiters(sp_jobs *s) {
                 bool fiber = wt->kind == WAIT_FIBER;
                 job *jb = wt->job;
                 const char *name = fiber ? job_wait_name(jb) : jb->name;
-                s->abandoned = true;
                 s->abandoned_jobs += fiber;
                 s->abandoned_records += fiber ? 1 : wt->count;
                 sp_log(SP_LOG_ERROR, SP_ERR_STALLED, "sp_jobs_shutdown", c,
@@ -180,7 +179,7 @@ sp_result sp_jobs_shutdown(sp_jobs *s) {
         sp_fiber_release(s->pool, s->spares[i]);
     atomic_store(&s->spare_count, 0);
     atomic_store(&s->stopped, 1);
-    return s->abandoned ? SP_ERR_STALLED : SP_OK;
+    return s->abandoned_records ? SP_ERR_STALLED : SP_OK;
 }
 
 /* ---- watchdog (debug builds) ----------------------------------------------------------- */

@@ -177,8 +177,9 @@ struct sp_jobs {
     sp_counter *drain;             /* the main thread waits on it during shutdown */
     _Atomic uint32_t drained;
     uint64_t drain_last_done, drain_still_since; /* main thread only */
-    bool abandoned; /* shutdown gave up on jobs that could never run (main thread only) */
-    uint64_t abandoned_jobs, abandoned_records; /* ... how many, and the records they hold */
+    /* Shutdown gave up on jobs that could never run (main thread only): parked jobs, and the
+     * records they and abandoned deferred batches hold (non-zero: something was abandoned). */
+    uint64_t abandoned_jobs, abandoned_records;
     /* job records */
     job *records;
     sp_mutex record_lock;
