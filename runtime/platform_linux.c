@@ -217,6 +217,13 @@ sp_result sp_vm_decommit(void *p, size_t size) {
     return SP_OK;
 }
 
+sp_result sp_vm_purge(void *p, size_t size) {
+    if (SP_UNLIKELY(!range_valid("sp_vm_purge", p, size))) return SP_ERR_INVALID_ARG;
+    if (size && SP_UNLIKELY(madvise(p, size, MADV_DONTNEED) != 0))
+        return os_fail("sp_vm_purge", p, "madvise(DONTNEED)", size, errno);
+    return SP_OK;
+}
+
 sp_result sp_vm_guard(void *p, size_t size) {
     if (SP_UNLIKELY(!range_valid("sp_vm_guard", p, size))) return SP_ERR_INVALID_ARG;
     if (SP_UNLIKELY(mprotect(p, size, PROT_NONE) != 0))

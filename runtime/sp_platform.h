@@ -58,6 +58,13 @@ sp_result sp_vm_commit(void *p, size_t size);
  * is not all mapped (released, never reserved): SP_ERR_OS, logged, nothing mapped there. */
 sp_result sp_vm_decommit(void *p, size_t size);
 
+/* Drop the pages of committed [p, p+size) (MADV_DONTNEED): the range stays readable and
+ * writable, reads zero on its next touch, and its resident pages go back to the OS now. For
+ * memory whose contents are garbage but whose range is reused soon (a free fiber's stack):
+ * unlike decommit, the next use needs no commit. A range that is not all mapped: SP_ERR_OS,
+ * logged. */
+sp_result sp_vm_purge(void *p, size_t size);
+
 /* Make [p, p+size) inaccessible (a guard): any access faults at once. */
 sp_result sp_vm_guard(void *p, size_t size);
 

@@ -78,6 +78,37 @@ static void test_decommit_zero(void) {
     sp_vm_release(p, size);
 }
 
+/* Pages of [p, p + n pages) resident now (mincore). */
+static size_t resident_pages(const unsigned char *p, size_t n) {
+    unsigned char vec[64];
+    if (n > sizeof vec || mincore((void *)p, n * sp_page_size(), vec) != 0) return SIZE_MAX;
+    size_t r = 0;
+    for (size_t i = 0; i < n; i++) r += vec[i] & 1;
+    return r;
+}
+
+static void test_purge(void) {
+    const size_t ps = sp_page_size(), pages = 16;
+    unsigned char *p = sp_vm_reserve(pages * ps, 0, false, NULL);
+    if (!p || sp_vm_commit(p, pages * ps) != SP_OK) {
+        ok(0, "reserve+commit for purge");
+        ok(0, "purged pages");
+        ok(0, "reads zero");
+        return;
+    }
+    memset(p, 0xA5, pages * ps);
+    size_t before = resident_pages(p, pages);
+    is_int(sp_vm_purge(p + 4 * ps, 8 * ps), SP_OK, "purge 8 pages in the middle");
+    ok(before == pages && resident_pages(p, pages) == pages - 8,
+       "their pages left the resident set (%zu of %zu resident before, %zu after)", before, pages,
+       resident_pages(p, pages));
+    bool zero = bytes_all(p + 4 * ps, 8 * ps, 0);
+    p[5 * ps] = 7; /* still committed: no fault */
+    ok(zero && p[5 * ps] == 7 && bytes_all(p, 4 * ps, 0xA5) && bytes_all(p + 12 * ps, 4 * ps, 0xA5),
+       "purged pages read zero and stay writable; the others keep their contents");
+    sp_vm_release(p, pages * ps);
+}
+
 static void test_guard(void) {
     const size_t ps = sp_page_size(), size = 3 * ps;
     unsigned char *p = sp_vm_reserve(size, 0, false, NULL);
@@ -171,6 +202,12 @@ static void test_bad_args(void) {
     n = ts_logged.count;
     is_int(sp_vm_decommit(p, ps), SP_ERR_OS, "decommit of a released range fails");
     check_logged(n, SP_ERR_OS, "sp_vm_decommit", p);
+    n = ts_logged.count;
+    is_int(sp_vm_purge(p, ps), SP_ERR_OS, "purge of a released range fails");
+    check_logged(n, SP_ERR_OS, "sp_vm_purge", p);
+    n = ts_logged.count;
+    is_int(sp_vm_purge(p + 1, ps), SP_ERR_INVALID_ARG, "purge of an unaligned pointer");
+    check_logged(n, SP_ERR_INVALID_ARG, "sp_vm_purge", p + 1);
     ok(msync(p, ps, MS_ASYNC) != 0 && errno == ENOMEM,
        "... and maps nothing there (msync: not mapped)");
     ts_log_release();
@@ -290,14 +327,15 @@ static void test_futex(void) {
 }
 
 int main(void) {
-    plan(44);
+    plan(51);
     test_page_size();      /* 1 */
     test_reserve_commit(); /* 3 */
     test_alignment();      /* 2 */
     test_decommit_zero();  /* 3 */
+    test_purge();          /* 3 */
     test_guard();          /* 3 */
     test_huge();           /* 4 */
-    test_bad_args();       /* 10 */
+    test_bad_args();       /* 14 */
     test_cpu_count();      /* 2 */
     test_clocks();         /* 3 */
     test_threads();        /* 7 */
