@@ -30,6 +30,8 @@ struct sp_fiber {
     sp_fiber *resumer;   /* the fiber that last switched to this one; set by that switcher */
     sp_fiber *next_free; /* pool free list, under pool->lock */
     uint32_t state;      /* enum fiber_state; changed under pool->lock, read relaxed */
+    bool ran;            /* pooled: acquired since made or last trimmed (its stack may hold
+                            pages); under pool->lock */
     char *stack_lo;      /* pooled fibers: fixed at pool creation */
     size_t stack_size;
     /* Sanitizer bookkeeping, compiled in always so the layout does not depend on the build. */
@@ -47,12 +49,14 @@ struct sp_fiber {
  * the others. count only grows (under lock; read without it by pool_owns: a fiber that is
  * passed in was acquired after its slot was made). */
 struct sp_fiber_pool {
-    sp_mutex lock; /* free, in_use, count, max, growing, every fiber's state and next_free */
+    sp_mutex lock; /* free, in_use, ran_free, count, max, growing, every fiber's state, ran
+                      and next_free */
     sp_fiber *free;
     uint32_t in_use;
-    uint32_t count; /* fibers made so far */
-    uint32_t max;   /* the most it may make */
-    bool growing;   /* an acquire makes more fibers (with the lock released) */
+    uint32_t ran_free; /* free fibers that ran: what a trim gives back */
+    uint32_t count;    /* fibers made so far */
+    uint32_t max;      /* the most it may make */
+    bool growing;      /* an acquire makes more fibers (with the lock released) */
     size_t stack_size;
     char *region;
     size_t region_size;
@@ -288,15 +292,28 @@ sp_fiber *sp_fiber_acquire(sp_fiber_pool *pool, sp_fiber_fn fn, void *arg) {
         }
     }
     sp_fiber *f = pool->free;
+    bool ran = false;
     if (SP_LIKELY(f)) {
         pool->free = f->next_free;
         pool->in_use++;
+        ran = f->ran;
+        pool->ran_free -= ran;
+        f->ran = true;
         __atomic_store_n(&f->state, FIBER_ACQUIRED, __ATOMIC_RELAXED);
     }
     sp_mutex_unlock(&pool->lock);
     if (SP_UNLIKELY(!f)) return NULL;
-        /* The previous life's frames were abandoned mid-stack: their ASan redzones are still
-         * poisoned, and their fake stack (if any) is dropped with them. */
+#if FIBER_TSAN
+    /* A new TSan fiber: the old one's shadow stack still holds the frames its last life
+     * abandoned. */
+    if (ran) {
+        __tsan_destroy_fiber(f->tsan);
+        f->tsan = __tsan_create_fiber(0);
+    }
+#endif
+    (void)ran;
+    /* The previous life's frames were abandoned mid-stack: their ASan redzones are still
+     * poisoned, and their fake stack (if any) is dropped with them. */
 #if TRACK_ASAN
     __asan_unpoison_memory_region(f->stack_lo, f->stack_size);
 #endif
@@ -329,6 +346,7 @@ void sp_fiber_release(sp_fiber_pool *pool, sp_fiber *fiber) {
         fiber->next_free = pool->free;
         pool->free = fiber;
         pool->in_use--;
+        pool->ran_free++;
     }
     sp_mutex_unlock(&pool->lock);
     if (SP_UNLIKELY(!acquired)) /* reported after unlocking: the logger may take its time */
@@ -345,6 +363,27 @@ uint32_t sp_fiber_pool_in_use(sp_fiber_pool *pool) {
 
 uint32_t sp_fiber_pool_count(sp_fiber_pool *pool) {
     return __atomic_load_n(&pool->count, __ATOMIC_ACQUIRE);
+}
+
+uint32_t sp_fiber_pool_trim(sp_fiber_pool *pool, uint32_t max) {
+    uint32_t done = 0;
+    sp_mutex_lock(&pool->lock);
+    for (sp_fiber *f = pool->free; f && pool->ran_free && done < max; f = f->next_free) {
+        if (!f->ran) continue;
+        if (sp_vm_purge(f->stack_lo, f->stack_size) != SP_OK) break; /* logged */
+        f->ran = false;
+        pool->ran_free--;
+        done++;
+    }
+    sp_mutex_unlock(&pool->lock);
+    return done;
+}
+
+uint32_t sp_fiber_pool_stacks_used(sp_fiber_pool *pool) {
+    sp_mutex_lock(&pool->lock);
+    uint32_t n = pool->in_use + pool->ran_free;
+    sp_mutex_unlock(&pool->lock);
+    return n;
 }
 
 void sp_fiber_stack(const sp_fiber *fiber, void **lo, size_t *size) {

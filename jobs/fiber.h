@@ -44,10 +44,9 @@
  * not per fiber: a resumed fiber finds them as the thread left them.
  *
  * Sanitizers: switches are annotated for ThreadSanitizer and AddressSanitizer, and stacks are
- * registered with Valgrind when built with -Dvalgrind=true. Under TSan each pooled fiber keeps
- * one TSan fiber for its life; a fiber abandoned mid-stack leaves its frames on that TSan
- * fiber's shadow stack (64K entries), so a scheduler should loop inside long-lived fiber
- * functions rather than acquire a fresh fiber for every job.
+ * registered with Valgrind when built with -Dvalgrind=true. Under TSan a pooled fiber gets a
+ * new TSan fiber each time it is acquired again (the old one's shadow stack holds the frames
+ * its last life abandoned).
  */
 #ifndef SP_FIBER_H
 #define SP_FIBER_H
@@ -109,6 +108,17 @@ uint32_t sp_fiber_pool_in_use(sp_fiber_pool *pool);
 
 /* Fibers the pool has made so far (count, and more once it grew). Any thread, no lock. */
 uint32_t sp_fiber_pool_count(sp_fiber_pool *pool);
+
+/* Give back the stack pages of free fibers that ran since they were made or last trimmed
+ * (sp_vm_purge: their stacks stay usable, and fault in afresh when a fiber runs again), at
+ * most `max` of them; returns how many. Any thread. Cost: the pool's lock throughout, one
+ * madvise per stack (acquires wait meanwhile), and a walk of the free list up to the last of
+ * them. */
+uint32_t sp_fiber_pool_trim(sp_fiber_pool *pool, uint32_t max);
+
+/* Fibers whose stacks may hold pages: acquired, or free and run since made or trimmed. Any
+ * thread. */
+uint32_t sp_fiber_pool_stacks_used(sp_fiber_pool *pool);
 
 /* A fiber handle for the calling thread's own stack, so it can switch to pooled fibers and be
  * switched back to. Cost: one small heap allocation. Returns NULL if out of memory. */

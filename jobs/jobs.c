@@ -401,4 +401,21 @@ void sp_jobs_status_get(sp_jobs *s, sp_jobs_status *out) {
     out->fiber_exhaustions = (uint32_t)SUM(s, exhaustions);
     out->fibers_in_use = sp_fiber_pool_in_use(s->pool);
     out->fibers_total = sp_fiber_pool_count(s->pool);
+    out->fibers_spare = atomic_load(&s->spare_count);
+    out->fiber_stacks_used = sp_fiber_pool_stacks_used(s->pool);
+}
+
+uint32_t sp_jobs_trim(sp_jobs *s, uint32_t max) {
+    if (SP_UNLIKELY(!s)) {
+        sp_misuse(SP_ERR_INVALID_ARG, "sp_jobs_trim", s, "NULL scheduler");
+        return 0;
+    }
+    sp_mutex_lock(&s->spare_lock);
+    uint32_t n = atomic_load_explicit(&s->spare_count, memory_order_relaxed);
+    uint32_t give = s->spare_low < n ? s->spare_low : n; /* spare_low <= n: defensive */
+    for (uint32_t i = 0; i < give; i++) sp_fiber_release(s->pool, s->spares[--n]);
+    atomic_store_explicit(&s->spare_count, n, memory_order_relaxed);
+    s->spare_low = n;
+    sp_mutex_unlock(&s->spare_lock);
+    return sp_fiber_pool_trim(s->pool, max);
 }

@@ -163,6 +163,7 @@ struct sp_jobs {
     sp_mutex spare_lock; /* spares, spare_count: loop fibers no worker keeps */
     sp_fiber **spares;
     _Atomic uint32_t spare_count; /* changed under spare_lock; peeked without it */
+    uint32_t spare_low;           /* the fewest spares since the last sp_jobs_trim (spare_lock) */
     mpsc inject[RANKS];
     _Atomic uint64_t idle_mask;                /* bit i: worker i is asleep or about to sleep */
     _Atomic uint32_t hidden[RANKS];            /* running pieces that hold more jobs of each rank */

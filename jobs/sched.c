@@ -417,6 +417,7 @@ static sp_fiber *loop_fiber_get(sp_jobs *s, worker *w) {
         if (n) {
             f = s->spares[n - 1];
             atomic_store_explicit(&s->spare_count, n - 1, memory_order_relaxed);
+            if (n - 1 < s->spare_low) s->spare_low = n - 1;
         }
         sp_mutex_unlock(&s->spare_lock);
     }

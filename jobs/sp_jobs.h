@@ -39,7 +39,8 @@
  * Concurrency:
  *   sp_jobs_submit, sp_jobs_submit_after, sp_parallel_for,
  *   sp_counter_add, sp_counter_sub, sp_counter_value, sp_counter_wait,
- *   sp_jobs_worker_id, sp_jobs_status_get        any thread, any time between create and
+ *   sp_jobs_worker_id, sp_jobs_status_get,
+ *   sp_jobs_trim                                  any thread, any time between create and
  *                                                 shutdown (submits after it: SP_ERR_SHUTDOWN)
  *   sp_counter_create / sp_counter_destroy        any thread; destroy only once nothing waits on
  *                                                 the counter and no job holds it
@@ -140,6 +141,10 @@ typedef struct sp_jobs_status {
     uint64_t parks;             /* waits that parked a fiber */
     uint32_t fibers_in_use;     /* acquired from the pool (running, parked or cached by a worker) */
     uint32_t fibers_total;      /* made so far: fibers, more once the pool grew */
+    uint32_t fibers_spare;      /* of fibers_in_use, suspended on the scheduler's spare list for
+                                   the next wait (each worker keeps up to 4 more of its own) */
+    uint32_t fiber_stacks_used; /* fibers whose stacks may hold pages: in use, or free and run
+                                   since made or given back by sp_jobs_trim */
     uint32_t fiber_exhaustions; /* waits that found no free fiber and ran jobs on their stack */
     uint64_t sleeps;            /* futex sleeps of idle workers */
 } sp_jobs_status;
@@ -218,6 +223,18 @@ bool sp_jobs_in_job(void);
 
 /* Figures since create. Any thread; each field is read atomically, the set is not a snapshot. */
 void sp_jobs_status_get(sp_jobs *s, sp_jobs_status *out);
+
+/* Give back the memory of fibers no wait has needed lately: of the spare fibers the scheduler
+ * keeps for the next job that parks (every job that parked left one behind once it resumed:
+ * a burst of waits leaves as many), those the fewest present since the previous call never
+ * used (none on the first call) go back to the pool, and the stack pages of at most `max`
+ * free fibers go back to the OS (their stacks fault in afresh if the pool hands them out
+ * again). Each worker's own few spares (at most 4) stay. Returns the stacks given back. The
+ * runtime calls it between frames (sp_runtime.h); call it yourself after a burst of waits
+ * (loading) when not using the runtime. Any thread. Cost: the spare list's lock for
+ * O(spares given), then the pool's lock for one madvise per stack (at most max: other
+ * workers' fresh fibers wait for it). */
+uint32_t sp_jobs_trim(sp_jobs *s, uint32_t max);
 
 /* Jobs finished since create (sp_jobs_status.jobs_run alone). Any thread; cost: O(workers)
  * atomic loads, no lock. */

@@ -128,7 +128,8 @@ typedef struct sp_frame_stats {
     uint64_t frame;      /* its number (the first frame is 0) */
     uint64_t frame_ns;   /* sp_frame_begin to the end of sp_frame_end */
     uint64_t wait_ns;    /* sp_frame_end's wait for the frame's jobs */
-    uint64_t between_ns; /* between-frames work (tidy, registered work, compaction) */
+    uint64_t between_ns; /* between-frames work (tidy, fiber trim, registered work,
+                            compaction) */
     uint64_t jobs_run;   /* jobs that finished during the frame (all of them) */
     size_t arena_bytes;  /* taken from the frame's buffer (sp_frame_buffer_status) */
     size_t arena_peak;   /* that buffer's peak over all its frames */
@@ -145,9 +146,10 @@ typedef struct sp_frame_stats {
     size_t handle_moved;         /* bytes compaction moved this frame */
     double handle_fragmentation;
     size_t persistent_bytes;
-    uint64_t retired;         /* sp_retire calls during the frame */
-    uint32_t between_skipped; /* works not run: the budget was spent (compaction also when
-                                 jobs of the caller's own counters were still running) */
+    uint64_t retired;              /* sp_retire calls during the frame */
+    uint32_t between_skipped;      /* works not run: the budget was spent (compaction also when
+                                      jobs of the caller's own counters were still running) */
+    uint32_t fiber_stacks_trimmed; /* fiber stacks sp_jobs_trim gave back (every 64th frame) */
 } sp_frame_stats;
 
 /* Figures of the runtime as a whole. */
@@ -283,9 +285,11 @@ sp_result sp_frame_begin(void);
 
 /* Close the frame (main thread, outside jobs): wait for the frame counter (the main thread
  * runs jobs meanwhile), move the arena to the next buffer and reclaim the one that comes
- * round, let the thread caches give back surplus spans, run the between-frames works in
- * registration order and then handle-heap compaction within desc.between_budget_ns, report
- * a quiescent state, and close the frame's statistics record. Returns SP_OK,
+ * round, let the thread caches give back surplus spans (every 64th frame also the scheduler
+ * the spare fibers no wait used over those 64 frames: sp_jobs_trim, at most 64 stacks, about
+ * 2 us each), run the between-frames works in registration order and then handle-heap
+ * compaction within desc.between_budget_ns, report a quiescent state, and close the frame's
+ * statistics record. Returns SP_OK,
  * SP_ERR_SHUTDOWN before init, SP_ERR_INVALID_ARG (logged) without an open frame, from a job,
  * or from its own between-frames step. */
 sp_result sp_frame_end(void);

@@ -4,6 +4,8 @@
 #include <errno.h>
 #include <stdatomic.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "fiber.h"
 #include "test_support.h"
@@ -425,6 +427,68 @@ static void test_growth(void) {
     ts_log_release();
 }
 
+/* ---- trim ------------------------------------------------------------------------------ */
+
+/* Writes 24 KiB of its stack, then goes back to the main fiber for good. */
+static void touch_fn(sp_fiber *self, void *arg) {
+    volatile unsigned char buf[24 * 1024];
+    for (size_t i = 0; i < sizeof buf; i += 512) buf[i] = (unsigned char)(i / 512 + 1);
+    *(int *)arg = buf[512];
+    for (;;) sp_fiber_switch(self, main_fiber);
+}
+
+/* Pages of f's stack resident now (mincore); SIZE_MAX if mincore failed. */
+static size_t stack_resident(const sp_fiber *f) {
+    void *lo;
+    size_t size, n = 0;
+    sp_fiber_stack(f, &lo, &size);
+    size_t ps = (size_t)sysconf(_SC_PAGESIZE), pages = size / ps;
+    unsigned char vec[64];
+    if (pages > sizeof vec || mincore(lo, size, vec) != 0) return SIZE_MAX;
+    for (size_t i = 0; i < pages; i++) n += vec[i] & 1;
+    return n;
+}
+
+/* Fibers that ran and were released keep their stack pages until a trim gives them back, at
+ * most `max` a call; the pool hands such a fiber out again as usual. */
+static void test_trim(void) {
+    enum { N = 3 };
+    sp_fiber_pool *pool = NULL;
+    if (sp_fiber_pool_create(&pool, N + 1, 64 * 1024) != SP_OK) {
+        ok(0, "pool for the trim test");
+        return;
+    }
+    sp_fiber *f[N];
+    int seen[N] = {0};
+    size_t before = 0;
+    for (int i = 0; i < N; i++) {
+        f[i] = sp_fiber_acquire(pool, touch_fn, &seen[i]);
+        if (f[i]) sp_fiber_switch(main_fiber, f[i]);
+    }
+    is_int(sp_fiber_pool_stacks_used(pool), N, "3 fibers ran: 3 stacks used (the 4th never ran)");
+    for (int i = 0; i < N; i++) {
+        before += f[i] && stack_resident(f[i]) >= 6 ? 1 : 0;
+        if (f[i]) sp_fiber_release(pool, f[i]);
+    }
+    is_int(sp_fiber_pool_stacks_used(pool), N, "released, their stacks still count as used");
+    uint32_t t1 = sp_fiber_pool_trim(pool, 2), used1 = sp_fiber_pool_stacks_used(pool);
+    uint32_t t2 = sp_fiber_pool_trim(pool, 5), t3 = sp_fiber_pool_trim(pool, 5);
+    size_t after = 0;
+    for (int i = 0; i < N; i++) after += f[i] ? stack_resident(f[i]) : 1;
+    ok(before == N && t1 == 2 && used1 == 1 && t2 == 1 && t3 == 0 && after == 0 &&
+           sp_fiber_pool_stacks_used(pool) == 0,
+       "trims give back 2 (their max), then 1, then none; no stack page left resident "
+       "(%zu of %d stacks had 6+ pages resident; trims %u %u %u, %zu pages after)",
+       before, N, t1, t2, t3, after);
+    int again = 0;
+    sp_fiber *g = sp_fiber_acquire(pool, touch_fn, &again);
+    if (g) sp_fiber_switch(main_fiber, g);
+    ok(g && again == 2 && sp_fiber_pool_stacks_used(pool) == 1,
+       "a trimmed fiber runs again on a fresh stack (and counts as used)");
+    if (g) sp_fiber_release(pool, g);
+    sp_fiber_pool_destroy(pool);
+}
+
 /* A growth that fails (mprotect refused, through the link-time wrap below): the acquire
  * returns NULL, the failure is logged by a logger that asks the pool how many fibers are in
  * use (it deadlocked when the pool's lock was held across the growth), and the pool stays as
@@ -542,7 +606,7 @@ static void test_misuse(sp_fiber_pool *pool) {
 }
 
 int main(void) {
-    plan(48);
+    plan(52);
     sp_fiber_pool *pool = NULL;
     is_int(sp_fiber_pool_create(&pool, 32, STACK), SP_OK, "create a pool of 32 fibers");
     main_fiber = sp_fiber_thread_enter();
@@ -557,6 +621,7 @@ int main(void) {
     test_exhaustion();
     test_growth();
     test_growth_failure();
+    test_trim();
     test_misuse(pool);
 
     is_int(sp_fiber_pool_in_use(pool), 0, "nothing left acquired");

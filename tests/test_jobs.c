@@ -1055,6 +1055,37 @@ static void link_fn(void *arg) {
     l->finished = true;
 }
 
+/* After a wait chain (st: settled status), the loop fibers its waits left behind are spares:
+ * the first sp_jobs_trim keeps them (none went unused over a whole interval yet), the second
+ * gives them and their stacks back; a chain run again afterwards works, and the trim after it
+ * keeps what that chain used. */
+static void trim_check(sp_counter *done, sp_jobs_status st) {
+    uint32_t t0 = sp_jobs_trim(S, 1000);
+    sp_jobs_status a, b, c;
+    sp_jobs_status_get(S, &a);
+    uint32_t t1 = sp_jobs_trim(S, 1000);
+    sp_jobs_status_get(S, &b);
+    ok(st.fibers_spare >= CHAIN / 2 && t0 == 0 && a.fibers_spare == st.fibers_spare &&
+           t1 == st.fibers_spare && b.fibers_spare == 0 &&
+           b.fiber_stacks_used == a.fiber_stacks_used - t1 &&
+           b.fibers_in_use == a.fibers_in_use - t1,
+       "%s: trim: %u spares kept by the first call (%u given), given back by the second "
+       "(%u; stacks used %u -> %u, in use %u -> %u)",
+       cfg(), st.fibers_spare, t0, t1, a.fiber_stacks_used, b.fiber_stacks_used, a.fibers_in_use,
+       b.fibers_in_use);
+    memset(links, 0, sizeof links);
+    sp_job_desc d = jt_job(link_fn, &links[0], "chain");
+    bool again = sp_jobs_submit(S, &d, 1, done) == SP_OK && sp_counter_wait(done, 0) == SP_OK;
+    int finished = 0;
+    for (int i = 0; i < CHAIN; i++) finished += links[i].finished && links[i].rc == SP_OK;
+    jt_settle(S, &c);
+    uint32_t t2 = sp_jobs_trim(S, 1000);
+    ok(again && finished == CHAIN && c.fiber_exhaustions == 0 && t2 == 0,
+       "%s: trim: the chain runs again on the trimmed fibers (%d of %d links), and the trim "
+       "after it keeps the %u spares it left (%u given)",
+       cfg(), finished, CHAIN, c.fibers_spare, t2);
+}
+
 /* grow false: a fixed pool of CHAIN_FIBERS, the waits beyond it run jobs on their own stack;
  * true: the pool starts at CHAIN_FIBERS and doubles as waits need fibers, up to CHAIN_GROWN. */
 enum { CHAIN_GROWN = 256 };
@@ -1111,6 +1142,7 @@ static void test_chain(const jt_config *c, bool grow) {
        "%s: chain: %llu of %llu jobs run, counter back to 0", cfg(),
        (unsigned long long)st.jobs_run, (unsigned long long)st.jobs_submitted);
     if (jt_log_total() != (grow ? 0 : 1)) jt_log_diag();
+    if (grow) trim_check(done, st);
     sp_counter_destroy(done);
     ok(sp_jobs_shutdown(S) == SP_OK, "%s: chain scheduler shuts down", cfg());
     sp_jobs_destroy(S);

@@ -687,6 +687,64 @@ static void test_frame_tidy(void) {
     is_int(sp_shutdown(), SP_OK, "shutdown");
 }
 
+static sp_counter *gate;
+static atomic_int gate_arrived;
+static void gated_job(void *arg) {
+    (void)arg;
+    atomic_fetch_add(&gate_arrived, 1);
+    sp_counter_wait(gate, 0);
+}
+
+/* A frame in which 100 jobs wait at once leaves their loop fibers behind as spare fibers; the
+ * frame loop gives them back after 64 frames in which no wait used them: 64 stacks at the
+ * 128th frame end, the rest at the 192nd (none at the 64th: those spares were in use within
+ * its interval). */
+static void test_frame_fiber_trim(void) {
+    sp_desc d = small_desc(1);
+    if (sp_init(&d) != SP_OK) {
+        ok(0, "init");
+        return;
+    }
+    enum { WAITERS = 100 };
+    gate = sp_counter_create(sp_scheduler(), "gate");
+    sp_counter_add(gate, 1);
+    sp_job_desc j[WAITERS];
+    for (int i = 0; i < WAITERS; i++) j[i] = (sp_job_desc){.fn = gated_job, .name = "gated"};
+    atomic_store(&gate_arrived, 0);
+    sp_frame_begin();
+    sp_submit(j, WAITERS, NULL);
+    /* The worker runs them (the main thread waits for nothing yet): each parks in turn. */
+    uint64_t t0 = sp_time_ns();
+    while (atomic_load(&gate_arrived) < WAITERS && sp_time_ns() - t0 < 10000000000u)
+        sp_thread_yield();
+    sp_counter_sub(gate, 1);
+    sp_frame_end();
+    sp_jobs_status before, after;
+    sp_jobs_status_get(sp_scheduler(), &before);
+    uint32_t trimmed[3] = {0, 0, 0}, elsewhere = 0;
+    for (uint64_t f = 1; f < 3 * 64; f++) {
+        sp_frame_begin();
+        sp_frame_end();
+        sp_frame_stats fs;
+        sp_frame_stats_last(&fs);
+        if (fs.frame % 64 == 63)
+            trimmed[fs.frame / 64] = fs.fiber_stacks_trimmed;
+        else
+            elsewhere += fs.fiber_stacks_trimmed;
+    }
+    sp_jobs_status_get(sp_scheduler(), &after);
+    ok(before.parks >= WAITERS - 2 && before.fibers_spare >= WAITERS - 8 && trimmed[0] == 0 &&
+           trimmed[1] == 64 && trimmed[2] == before.fibers_spare - 64 && elsewhere == 0 &&
+           after.fibers_spare == 0 &&
+           after.fiber_stacks_used == before.fiber_stacks_used - before.fibers_spare,
+       "the frame loop gives back the %u spare fibers 100 waits left: %u, %u, %u stacks at "
+       "frames 63, 127, 191 (%u at others); stacks used %u -> %u",
+       before.fibers_spare, trimmed[0], trimmed[1], trimmed[2], elsewhere, before.fiber_stacks_used,
+       after.fiber_stacks_used);
+    sp_counter_destroy(gate);
+    is_int(sp_shutdown(), SP_OK, "shutdown");
+}
+
 static void alloc_job(void *arg) {
     span_blocks *l = arg;
     for (int i = 0; i < l->n; i++) l->b[i] = sp_tcache_alloc(1024);
@@ -1026,6 +1084,7 @@ int main(void) {
     test_attach_offline();
     test_frame_tidy();
     test_worker_tidy();
+    test_frame_fiber_trim();
     test_stray_threads();
     test_stray_free_lock_free();
     test_reentry();
