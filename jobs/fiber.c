@@ -292,28 +292,17 @@ sp_fiber *sp_fiber_acquire(sp_fiber_pool *pool, sp_fiber_fn fn, void *arg) {
         }
     }
     sp_fiber *f = pool->free;
-    bool ran = false;
     if (SP_LIKELY(f)) {
         pool->free = f->next_free;
         pool->in_use++;
-        ran = f->ran;
-        pool->ran_free -= ran;
+        pool->ran_free -= f->ran;
         f->ran = true;
         __atomic_store_n(&f->state, FIBER_ACQUIRED, __ATOMIC_RELAXED);
     }
     sp_mutex_unlock(&pool->lock);
     if (SP_UNLIKELY(!f)) return NULL;
-#if FIBER_TSAN
-    /* A new TSan fiber: the old one's shadow stack still holds the frames its last life
-     * abandoned. */
-    if (ran) {
-        __tsan_destroy_fiber(f->tsan);
-        f->tsan = __tsan_create_fiber(0);
-    }
-#endif
-    (void)ran;
-    /* The previous life's frames were abandoned mid-stack: their ASan redzones are still
-     * poisoned, and their fake stack (if any) is dropped with them. */
+        /* The previous life's frames were abandoned mid-stack: their ASan redzones are still
+         * poisoned, and their fake stack (if any) is dropped with them. */
 #if TRACK_ASAN
     __asan_unpoison_memory_region(f->stack_lo, f->stack_size);
 #endif

@@ -44,9 +44,13 @@
  * not per fiber: a resumed fiber finds them as the thread left them.
  *
  * Sanitizers: switches are annotated for ThreadSanitizer and AddressSanitizer, and stacks are
- * registered with Valgrind when built with -Dvalgrind=true. Under TSan a pooled fiber gets a
- * new TSan fiber each time it is acquired again (the old one's shadow stack holds the frames
- * its last life abandoned).
+ * registered with Valgrind when built with -Dvalgrind=true. Under TSan each pooled fiber keeps
+ * one TSan fiber for its life (destroying and re-creating handles can reuse an address and
+ * hide real races); a fiber abandoned mid-stack leaves its frames on that TSan fiber's shadow
+ * stack (64K entries), so a scheduler should loop inside long-lived fiber functions rather
+ * than acquire a fresh fiber for every job. (The job scheduler abandons a fiber only when
+ * sp_jobs_trim gives back a spare: one loop's frames, a few thousand trims of one fiber before
+ * its shadow stack would fill.)
  */
 #ifndef SP_FIBER_H
 #define SP_FIBER_H
