@@ -86,9 +86,11 @@ extern "C" {
 #define SP_TCACHE_LOOKUP_MAX 1024 /* sizes up to this use the inline class table */
 
 typedef struct sp_tcache_desc {
-    void *region;           /* address space reserved by the caller (sp_vm_reserve, PROT_NONE),
-                               committed as the heaps grow; NULL: reserve our own */
-    size_t region_size;     /* bytes of region (0: 64 GiB when we reserve; at least 64 MiB) */
+    void *region;           /* address space reserved by the caller (sp_vm_reserve, PROT_NONE,
+                               aligned to SP_TCACHE_SPAN; its end below 2^48), committed as the
+                               heaps grow; NULL: reserve our own */
+    size_t region_size;     /* bytes of region (0: 64 GiB when we reserve, halved down to 1 GiB
+                               while the OS refuses; at least 64 MiB) */
     size_t max_class;       /* largest size served by classes (0: 32 KiB; at most 64 KiB;
                                rounded up to a class size) */
     uint32_t keep_empty;    /* empty spans a cache keeps for reuse (0: 2) */
@@ -134,7 +136,8 @@ typedef struct sp_tcache_status {
 
 /* Initialise with desc (NULL or zeroes: defaults). Reserves the region unless given, commits
  * the first chunk of both heaps. Returns SP_OK, SP_ERR_INVALID_ARG (misuse: already
- * initialised, region too small, max_class too large), SP_ERR_OS or SP_ERR_NOMEM. */
+ * initialised, region too small, not aligned to SP_TCACHE_SPAN or ending above 2^48,
+ * max_class too large), SP_ERR_OS or SP_ERR_NOMEM. */
 sp_result sp_tcache_init(const sp_tcache_desc *desc);
 
 /* Detach the calling thread, return everything to the OS (release our reservation; a given

@@ -15,9 +15,10 @@
  *                                           one internal lock, held only inside these calls.
  *   sp_tlsf_walk / sp_tlsf_check take the lock of a locked heap for the whole walk.
  *
- * Bad input (every build, O(1)): free/realloc/usable_size of a pointer outside the heap
- * (SP_ERR_FOREIGN_POINTER), of an interior or misaligned pointer (SP_ERR_INVALID_POINTER), or
- * of a block already free (SP_ERR_DOUBLE_FREE) is reported through the logger with the call
+ * Bad input (every build; O(pools), at most 16, plus two header reads): free/realloc/
+ * usable_size of a pointer outside the heap (SP_ERR_FOREIGN_POINTER), of an interior or
+ * misaligned pointer (SP_ERR_INVALID_POINTER), or of a block already free
+ * (SP_ERR_DOUBLE_FREE) is reported through the logger with the call
  * and address and leaves the heap untouched; if misuse is fatal (debug builds by default,
  * see sp_log.h) the process then dies. Sizes that overflow return NULL. free(NULL) is a no-op.
  */

@@ -68,7 +68,7 @@ struct sp_fiber_pool {
 /* Right before the register switch: tell ASan which stack comes next (and let it stash our
  * fake stack, never a NULL slot: NULL would mean "this fiber is gone" and free it), and tell
  * TSan which fiber runs next (flags 0: the switch synchronises from -> to; no_sync gave
- * false races, ../shared/NOTES.md). */
+ * false races inside the switch). */
 static inline void switch_begin(sp_fiber *from, sp_fiber *to) {
 #if TRACK_ASAN
     __sanitizer_start_switch_fiber(&from->asan_fake_stack, to->asan_lo, to->asan_size);

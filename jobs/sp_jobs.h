@@ -10,9 +10,10 @@
  * Threads. sp_jobs_create starts `workers` background threads (default: one per core). The
  * thread that called sp_jobs_create is the scheduler's main thread, worker 0: it runs jobs
  * only while it waits (sp_counter_wait, sp_parallel_for, sp_jobs_shutdown), and jobs pinned to
- * worker 0 run there. Background workers are 1..workers. With workers = 0 no thread is started
- * and every job runs on the main thread, in its waits, in a deterministic order (a debugging
- * mode). Other threads may submit, signal and wait (blocking, without running jobs).
+ * worker 0 run there. Background workers are 1..workers (workers = 0 means the default). With
+ * no_workers set, no thread is started and every job runs on the main thread, in its waits,
+ * in a deterministic order (a debugging mode). Other threads may submit, signal and wait (blocking,
+ * without running jobs).
  *
  * Order: sp_jobs_create; any number of submits and waits; sp_jobs_shutdown (runs every pending
  * job to completion, joins the threads; later submits get SP_ERR_SHUTDOWN); sp_jobs_destroy.

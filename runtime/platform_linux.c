@@ -419,7 +419,8 @@ void sp_futex_wake(uint32_t *addr, int32_t count) {
 enum { MUTEX_FREE = 0, MUTEX_LOCKED = 1, MUTEX_CONTENDED = 2 };
 
 /* Plain-load spins before sleeping: ~100-200 ns on these machines, about one cross-core
- * handoff. No PAUSE: the hypervisor traps it (../shared/NOTES.md). */
+ * handoff. No PAUSE: the hypervisor traps it (a PAUSE spin measured 450-1,100 ns per
+ * cross-core handoff on these VMs against 130-180 ns for a plain one). */
 enum { MUTEX_SPINS = 128 };
 
 SP_NOINLINE static void mutex_lock_slow(sp_mutex *m) {

@@ -235,7 +235,8 @@ void *sp_persistent_alloc(size_t size, size_t align);
 
 /* Call free_fn(p) once no registered thread can still hold p (after a QSBR grace period),
  * on the runtime's reclaimer thread. Any thread. Cost: one small allocation and a lock-free
- * push (a CAS loop). Returns SP_OK, SP_ERR_NOMEM or SP_ERR_SHUTDOWN. */
+ * push (a CAS loop). Returns SP_OK, SP_ERR_NOMEM or SP_ERR_SHUTDOWN; a NULL free_fn is misuse
+ * (SP_ERR_INVALID_ARG; debug builds abort). */
 sp_result sp_retire(void *p, void (*free_fn)(void *));
 
 /* The subsystems, for their own APIs (stable between sp_init and sp_shutdown; NULL outside). */

@@ -61,7 +61,8 @@ static void *thief_run(void *arg) {
             t->lost++;
         else if (atomic_load_explicit(&s->done, memory_order_acquire))
             break; /* EMPTY after done: nothing will ever come */
-        /* 2 vCPUs and up to 9 threads: let the owner run now and then (no PAUSE, ../shared/NOTES.md). */
+        /* 2 vCPUs and up to 9 threads: let the owner run now and then (no PAUSE: the
+         * hypervisor traps it). */
         if (++misses % 16 == 0) sp_thread_yield();
     }
     return NULL;
