@@ -188,12 +188,39 @@ static sp_result counter_n_check(sp_counter *c, int64_t n, const char *call) {
     return r;
 }
 
+/* A raise that would take the counter above SP_COUNTER_MAX (far from int64's wrap, which
+ * would make it negative: every wait on it satisfied): misuse under `call`, nothing changed. */
+static sp_result counter_too_high(sp_counter *c, int64_t v, int64_t n, const char *call) {
+    return sp_misuse(SP_ERR_INVALID_ARG, call, c,
+                     "counter '%s' at %lld raised by %lld would pass 2^62: unchanged",
+                     c->name ? c->name : "(unnamed)", (long long)v, (long long)n);
+}
+
 void sp_counter_add(sp_counter *c, int64_t n) {
-    if (counter_n_check(c, n, "sp_counter_add") == SP_OK) atomic_fetch_add(&c->value, n);
+    if (counter_n_check(c, n, "sp_counter_add") != SP_OK) return;
+    int64_t v = atomic_load(&c->value);
+    do {
+        if (SP_UNLIKELY(n > SP_COUNTER_MAX || v > SP_COUNTER_MAX - n)) {
+            counter_too_high(c, v, n, "sp_counter_add");
+            return;
+        }
+    } while (!atomic_compare_exchange_weak(&c->value, &v, v + n));
 }
 
 void sp_counter_sub(sp_counter *c, int64_t n) {
-    if (counter_n_check(c, n, "sp_counter_sub") == SP_OK) counter_lower(c, n);
+    if (counter_n_check(c, n, "sp_counter_sub") != SP_OK) return;
+    if (SP_UNLIKELY(n > SP_COUNTER_MAX)) {
+        sp_misuse(SP_ERR_INVALID_ARG, "sp_counter_sub", c,
+                  "n %lld is above 2^62: counter '%s' unchanged", (long long)n,
+                  c->name ? c->name : "(unnamed)");
+        return;
+    }
+    counter_lower(c, n);
+}
+
+sp_result jobs_counter_room(sp_counter *c, uint32_t n, const char *call) {
+    int64_t v = atomic_load_explicit(&c->value, memory_order_relaxed);
+    return SP_UNLIKELY(v > SP_COUNTER_MAX - (int64_t)n) ? counter_too_high(c, v, n, call) : SP_OK;
 }
 
 int64_t sp_counter_value(const sp_counter *c) {

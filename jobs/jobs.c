@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 
 /* ---- workers --------------------------------------------------------------------------- */
 
@@ -102,10 +103,18 @@ uint64_t jobs_records_outstanding(sp_jobs *s, uint64_t *done) {
 }
 
 uint64_t sp_jobs_run_count(sp_jobs *s) {
+    if (SP_UNLIKELY(!s)) {
+        sp_misuse(SP_ERR_INVALID_ARG, "sp_jobs_run_count", s, "NULL scheduler");
+        return 0;
+    }
     return SUM(s, done);
 }
 
 bool sp_jobs_idle(sp_jobs *s) {
+    if (SP_UNLIKELY(!s)) {
+        sp_misuse(SP_ERR_INVALID_ARG, "sp_jobs_idle", s, "NULL scheduler");
+        return false;
+    }
     uint64_t done;
     return jobs_records_outstanding(s, &done) == 0;
 }
@@ -153,7 +162,8 @@ static sp_result main_thread_only(sp_jobs *s, const char *call) {
 }
 
 sp_result sp_jobs_shutdown(sp_jobs *s) {
-    if (!s) return SP_ERR_INVALID_ARG;
+    if (SP_UNLIKELY(!s))
+        return sp_misuse(SP_ERR_INVALID_ARG, "sp_jobs_shutdown", s, "NULL scheduler");
     if (main_thread_only(s, "sp_jobs_shutdown") != SP_OK) return SP_ERR_INVALID_ARG;
     worker *w = &s->workers[0];
     if (atomic_exchange(&s->closing, 1)) return SP_ERR_SHUTDOWN;
@@ -227,6 +237,8 @@ static void *watchdog_thread(void *arg) {
 
 /* ---- create and destroy ---------------------------------------------------------------- */
 
+enum { MAX_FIBER_STACK = 1 << 30 };
+
 static sp_result desc_resolve(sp_jobs_desc *d) {
     if (d->no_workers) {
         d->workers = 0;
@@ -244,9 +256,23 @@ static sp_result desc_resolve(sp_jobs_desc *d) {
     if (d->spin_ns == 0) d->spin_ns = 50000;
     if (d->watchdog_ms == 0) d->watchdog_ms = 2000;
     if (d->workers > MAX_WORKERS - 1 || d->fibers < d->workers + 2 || d->fibers_max < d->fibers ||
-        !sp_is_pow2(d->deque_size) || d->deque_size > (1u << 24))
+        d->fiber_stack > MAX_FIBER_STACK || !sp_is_pow2(d->deque_size) ||
+        d->deque_size > (1u << 24))
         return SP_ERR_INVALID_ARG;
     return SP_OK;
+}
+
+/* Bytes of address space the process may still map under RLIMIT_AS (SIZE_MAX: no limit, or
+ * not known). */
+static size_t address_room(void) {
+    struct rlimit lim;
+    if (getrlimit(RLIMIT_AS, &lim) != 0 || lim.rlim_cur == RLIM_INFINITY) return SIZE_MAX;
+    FILE *f = fopen("/proc/self/statm", "r");
+    unsigned long pages = 0;
+    bool read = f && fscanf(f, "%lu", &pages) == 1;
+    if (f) fclose(f);
+    size_t used = (size_t)pages * sp_page_size();
+    return !read ? SIZE_MAX : lim.rlim_cur > used ? (size_t)(lim.rlim_cur - used) : 0;
 }
 
 static void jobs_free(sp_jobs *s) {
@@ -277,9 +303,10 @@ sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc) {
     if (SP_UNLIKELY(desc_resolve(&d) != SP_OK))
         return sp_misuse(SP_ERR_INVALID_ARG, "sp_jobs_create", desc,
                          "bad desc: workers %u (at most %d), fibers %u (at least workers + 2), "
-                         "fibers_max %u (0, or at least fibers), deque_size %u (a power of two "
-                         "up to 2^24)",
-                         d.workers, MAX_WORKERS - 1, d.fibers, d.fibers_max, d.deque_size);
+                         "fibers_max %u (0, or at least fibers), fiber_stack %zu (at most 1 GiB), "
+                         "deque_size %u (a power of two up to 2^24)",
+                         d.workers, MAX_WORKERS - 1, d.fibers, d.fibers_max, d.fiber_stack,
+                         d.deque_size);
     sp_jobs *s = aligned_alloc(64, sp_align_up(sizeof *s, 64));
     if (!s) return SP_ERR_NOMEM;
     memset(s, 0, sizeof *s);
@@ -318,10 +345,18 @@ sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc) {
             w->deque[rk] = sp_deque_init(mem, d.deque_size);
         }
     }
-    r = sp_fiber_pool_create_growing(&s->pool, d.fibers, d.fibers_max, d.fiber_stack);
-    /* The default fibers_max reserves 32 x the stacks' address space: where that is refused
-     * (an address-space limit), settle for less, down to a fixed pool (each refusal logged). */
+    /* The default fibers_max reserves 32 x the stacks' address space: under an address-space
+     * limit, take at most half of what it leaves (the threads, the caller and the pool's own
+     * growth need the rest), and settle for less where the OS still refuses, down to a fixed
+     * pool (each refusal logged). */
     bool max_default = !desc || desc->fibers_max == 0;
+    if (max_default) {
+        size_t room = address_room(), slot = d.fiber_stack + sp_page_size();
+        while (s->desc.fibers_max > d.fibers && (size_t)s->desc.fibers_max * slot > room / 2)
+            s->desc.fibers_max =
+                s->desc.fibers_max / 2 > d.fibers ? s->desc.fibers_max / 2 : d.fibers;
+    }
+    r = sp_fiber_pool_create_growing(&s->pool, d.fibers, s->desc.fibers_max, d.fiber_stack);
     while (r == SP_ERR_OS && max_default && s->desc.fibers_max > d.fibers) {
         s->desc.fibers_max = s->desc.fibers_max / 2 > d.fibers ? s->desc.fibers_max / 2 : d.fibers;
         r = sp_fiber_pool_create_growing(&s->pool, d.fibers, s->desc.fibers_max, d.fiber_stack);

@@ -153,13 +153,16 @@ typedef struct sp_jobs_status {
 /* Create a scheduler; the calling thread becomes its main thread (worker 0). Main thread only.
  * Cost: thread starts, fiber pool reservation, job records. Returns SP_OK with *out set;
  * SP_ERR_INVALID_ARG (misuse, logged: NULL out, deque_size not a power of two or above 2^24,
- * more than 63 workers, fewer fibers than workers + 2, fibers_max below fibers), SP_ERR_LIMIT
+ * more than 63 workers, fewer fibers than workers + 2, fibers_max below fibers, fiber_stack
+ * above 1 GiB), SP_ERR_LIMIT
  * (the thread already belongs to a scheduler), SP_ERR_NOMEM (also for a max_jobs too large to
  * allocate), SP_ERR_OS (a thread or the fiber pool could not be made; whatever started is
  * stopped again). Address space for fibers_max stacks is reserved at create (1 GiB with the
- * defaults: 4,096 of 256 KiB, nothing committed until the pool grows into them); where that is
- * refused (an address-space limit) and fibers_max was left 0, create halves it until the
- * reservation fits, down to a fixed pool of `fibers` (each refusal logged). */
+ * defaults: 4,096 of 256 KiB, nothing committed until the pool grows into them). Where
+ * fibers_max was left 0 and an address-space limit (RLIMIT_AS) is set, create halves it until
+ * the reservation takes at most half of the address space the limit leaves (the threads, the
+ * caller and the stacks' own pages need the rest), and further while the OS refuses, down to a
+ * fixed pool of `fibers` (each refusal logged). */
 sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc);
 
 /* Run every pending job to completion (waiting, helping as the main thread), stop and join
@@ -168,8 +171,8 @@ sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc);
  * nothing will reach once all else is done, 100 ms without progress) are reported one by one
  * with SP_ERR_STALLED naming job and counter, and abandoned: shutdown then returns
  * SP_ERR_STALLED instead of SP_OK. Threads blocked in sp_counter_wait outside the scheduler
- * stay blocked. Main thread only, outside jobs (else misuse, SP_ERR_INVALID_ARG). A second
- * call does nothing and returns SP_ERR_SHUTDOWN. */
+ * stay blocked. Main thread only, outside jobs (else misuse, SP_ERR_INVALID_ARG; NULL s too).
+ * A second call does nothing and returns SP_ERR_SHUTDOWN. */
 sp_result sp_jobs_shutdown(sp_jobs *s);
 
 /* Shut down if not done (stalled jobs reported and abandoned as there), then free everything;
@@ -188,8 +191,8 @@ void sp_jobs_destroy(sp_jobs *s);
  * but cached by workers that have not run yet). Errors: SP_ERR_SHUTDOWN (after shutdown
  * began, from a thread that is not running a job), SP_ERR_LIMIT (out of job records, logged),
  * SP_ERR_NOMEM (the copy, logged), SP_ERR_INVALID_ARG (misuse: NULL s, jobs with count > 0, NULL
- * fn, a pinned worker out of range, a destroyed counter or one of another scheduler). count 0
- * is SP_OK and does nothing. */
+ * fn, a pinned worker out of range, a destroyed counter or one of another scheduler, a counter
+ * that count would raise past SP_COUNTER_MAX). count 0 is SP_OK and does nothing. */
 sp_result sp_jobs_submit(sp_jobs *s, const sp_job_desc *jobs, uint32_t count, sp_counter *counter);
 
 /* As sp_jobs_submit, but the jobs start only once `after` reaches `after_target` (at once if
@@ -238,14 +241,15 @@ void sp_jobs_status_get(sp_jobs *s, sp_jobs_status *out);
 uint32_t sp_jobs_trim(sp_jobs *s, uint32_t max);
 
 /* Jobs finished since create (sp_jobs_status.jobs_run alone). Any thread; cost: O(workers)
- * atomic loads, no lock. */
+ * atomic loads, no lock. NULL s: misuse (SP_ERR_INVALID_ARG, reported), 0. */
 uint64_t sp_jobs_run_count(sp_jobs *s);
 
 /* Whether nothing was live at one moment during the call: no job, batch piece, parked job or
  * deferred batch submitted and not yet finished (job records taken and returned balance; the
  * counts are read in the order that makes a balance mean it). A job still running makes it
  * false. Any thread; cost: O(workers) atomic loads. Use it where jobs must not overlap a step
- * (the runtime's between-frames compaction), not to wait (poll nothing in a job). */
+ * (the runtime's between-frames compaction), not to wait (poll nothing in a job). NULL s:
+ * misuse (SP_ERR_INVALID_ARG, reported), false. */
 bool sp_jobs_idle(sp_jobs *s);
 
 /* A counter at 0, named for messages (the name must outlive the counter; NULL allowed).
@@ -264,14 +268,19 @@ sp_counter *sp_counter_create(sp_jobs *s, const char *name);
  * is a live counter again (the new one). */
 void sp_counter_destroy(sp_counter *c);
 
+/* The most a counter holds: a raise past it (sp_counter_add, or a submit's) is misuse. */
+#define SP_COUNTER_MAX ((int64_t)1 << 62)
+
 /* Raise by n (work the caller will signal later). Any thread, never suspends. Misuse: a
- * destroyed counter, a negative n (SP_ERR_INVALID_ARG, reported; no change). */
+ * destroyed counter, a negative n, a raise past SP_COUNTER_MAX (SP_ERR_INVALID_ARG, reported;
+ * no change). */
 void sp_counter_add(sp_counter *c, int64_t n);
 
 /* Lower by n and resume the waits and start the deferred batches this satisfies. Any thread,
  * never suspends. Cost: one atomic; when something waits, an exchange that takes the wait
  * list and one compare-exchange that puts back the waiters not yet satisfied. Misuse: a
- * destroyed counter, a negative n (SP_ERR_INVALID_ARG, reported; no change, nothing woken). */
+ * destroyed counter, a negative n or one above SP_COUNTER_MAX (SP_ERR_INVALID_ARG, reported;
+ * no change, nothing woken). */
 void sp_counter_sub(sp_counter *c, int64_t n);
 
 /* The current value (a snapshot). Any thread. NULL: 0. Misuse: a destroyed counter

@@ -23,6 +23,8 @@ static sp_result submit(sp_jobs *s, sp_counter *after, int64_t after_target, con
     if (SP_UNLIKELY(after && after->s != s))
         return sp_misuse(SP_ERR_INVALID_ARG, call, after,
                          "`after` belongs to another scheduler: nothing submitted");
+    if (SP_UNLIKELY(counter && jobs_counter_room(counter, n, call) != SP_OK))
+        return SP_ERR_INVALID_ARG;
     if (SP_UNLIKELY(after && after == counter))
         return sp_misuse(SP_ERR_INVALID_ARG, call, after,
                          "`after` is the batch's own `counter`: the batch would wait on itself; "

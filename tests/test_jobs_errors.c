@@ -118,6 +118,25 @@ static void test_create(void) {
     ok(sp_jobs_create(NULL, &d) == SP_ERR_INVALID_ARG && jt_log_count(SP_ERR_INVALID_ARG, -1) == 1,
        "sp_jobs_create(NULL out): SP_ERR_INVALID_ARG, logged");
     sp_jobs *s = NULL;
+    sp_jobs_desc big = {.no_workers = true, .fiber_stack = SIZE_MAX / 2};
+    jt_log_reset();
+    sp_result big_rc = sp_jobs_create(&s, &big);
+    ok(big_rc == SP_ERR_INVALID_ARG && s == NULL && jt_log_count(SP_ERR_INVALID_ARG, -1) == 1,
+       "fiber_stack SIZE_MAX / 2 (above 1 GiB): SP_ERR_INVALID_ARG, logged (%s; it was an "
+       "undocumented SP_ERR_OVERFLOW)",
+       sp_result_name(big_rc));
+    jt_log_reset();
+    uint64_t runs_null = sp_jobs_run_count(NULL);
+    bool idle_null = sp_jobs_idle(NULL);
+    sp_result shut_null = sp_jobs_shutdown(NULL);
+    uint32_t trim_null = sp_jobs_trim(NULL, 1);
+    ok(runs_null == 0 && !idle_null && shut_null == SP_ERR_INVALID_ARG && trim_null == 0 &&
+           jt_log_count(SP_ERR_INVALID_ARG, -1) == 4 &&
+           jt_log_has(SP_ERR_INVALID_ARG, "sp_jobs_run_count", NULL) &&
+           jt_log_has(SP_ERR_INVALID_ARG, "sp_jobs_idle", NULL) &&
+           jt_log_has(SP_ERR_INVALID_ARG, "sp_jobs_shutdown", NULL),
+       "run_count, idle, shutdown and trim of a NULL scheduler: 0, false, SP_ERR_INVALID_ARG, 0, "
+       "each reported (they crashed, or said nothing)");
     d.deque_size = 100;
     jt_log_reset();
     sp_result rc = sp_jobs_create(&s, &d);
@@ -685,6 +704,22 @@ static void test_audit_misuse(const jt_config *c) {
     ok(add_refused && sub_refused && sp_counter_value(self) == 2,
        "%s: add and sub of a negative n: refused, reported, value unchanged (%lld)", cfg(),
        (long long)sp_counter_value(self));
+    /* raises past SP_COUNTER_MAX (they wrapped the value negative: every wait satisfied) */
+    lb = jt_log_total();
+    sp_counter_add(self, INT64_MAX);          /* refused: n above the bound */
+    sp_counter_add(self, SP_COUNTER_MAX - 2); /* 2 + this: exactly the bound */
+    int64_t at_max = sp_counter_value(self);
+    sp_counter_add(self, 1);         /* refused: past the bound */
+    sp_counter_sub(self, INT64_MAX); /* refused: n above the bound */
+    bool three = jt_log_total() == lb + 3;
+    sp_jobs_status_get(S, &before);
+    r = sp_jobs_submit(S, &j, 1, self); /* refused: its raise passes the bound */
+    ok(at_max == SP_COUNTER_MAX && three &&
+           refused(r, SP_ERR_INVALID_ARG, "sp_jobs_submit", lb + 3, &before, self, at_max),
+       "%s: a raise past 2^62 (an add of INT64_MAX, an add at the bound, a submit's) and a sub "
+       "above it: refused, reported, value kept (%lld)",
+       cfg(), (long long)sp_counter_value(self));
+    sp_counter_sub(self, at_max - 2);
     sp_counter_sub(self, 2);
     sp_counter_destroy(self);
     /* destroy from a thread other than the main thread */
@@ -860,17 +895,21 @@ static long vm_size_kib(void) {
 }
 
 static void limited_child(void *arg) {
-    (void)arg;
     long kib = vm_size_kib();
-    struct rlimit lim = {(rlim_t)(kib + 600 * 1024) << 10, (rlim_t)(kib + 600 * 1024) << 10};
+    long more = *(long *)arg * 1024;
+    struct rlimit lim = {(rlim_t)(kib + more) << 10, (rlim_t)(kib + more) << 10};
     if (kib < 0 || setrlimit(RLIMIT_AS, &lim) != 0) _exit(3);
     sp_jobs *s = NULL;
     sp_jobs_desc d = {.workers = 1};
     if (sp_jobs_create(&s, &d) != SP_OK) _exit(4);
     sp_jobs_status st;
     sp_jobs_status_get(s, &st);
+    /* Room left for the caller: the pool took at most half of what the limit left. */
+    void *p = malloc((size_t)64 << 20);
+    bool room = p != NULL;
+    free(p);
     sp_jobs_destroy(s);
-    _exit(st.fibers_total == 128 ? 0 : 5);
+    _exit(st.fibers_total != 128 ? 5 : !room ? 6 : 0);
 }
 
 static void test_audit_address_limit(void) {
@@ -879,13 +918,17 @@ static void test_audit_address_limit(void) {
         return;
     }
     static char text[8192];
-    int status = ts_child(limited_child, NULL, text, sizeof text);
-    bool created = status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 0;
-    ok(created,
-       "default desc under an address-space limit of 600 MiB more: created with a "
-       "smaller fibers_max (exit %d)",
-       status != -1 && WIFEXITED(status) ? WEXITSTATUS(status) : -1);
-    if (!created) diag("child stderr:\n%s", text);
+    static const long mib[] = {600, 540, 560};
+    for (int i = 0; i < 3; i++) {
+        long more = mib[i];
+        int status = ts_child(limited_child, &more, text, sizeof text);
+        int code = status != -1 && WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+        ok(code == 0,
+           "default desc under an address-space limit of %ld MiB more: created with a smaller "
+           "fibers_max, 64 MiB left for the caller (exit %d; 6: no room left, 4: create failed)",
+           more, code);
+        if (code != 0) diag("child stderr:\n%s", text);
+    }
 }
 
 /* The defaults (the pool grows: the tree completes, no wait ran out of fibers), and a fixed 8
