@@ -42,7 +42,18 @@ static uint64_t sum_stat(sp_jobs *s, size_t offset) {
 }
 #define SUM(s, field) sum_stat((s), offsetof(worker, field))
 
-/* Abandon every parked job and deferred batch (they can never run), naming their counters. */
+/* Whether f is the own stack of one of s's threads. */
+static bool thread_fiber(sp_jobs *s, const sp_fiber *f) {
+    for (uint32_t i = 0; i <= s->nworkers; i++)
+        if (s->workers[i].thread_fiber == f) return true;
+    return false;
+}
+
+/* Abandon every parked job and deferred batch (they can never run), naming their counters.
+ * A job parked on a thread's own stack (a wait that found every fiber in use runs jobs there,
+ * and one of those waited) cannot be abandoned: below it on that stack lies the thread's own
+ * wait (shutdown's, on the main thread). It is resumed instead, its wait returning
+ * SP_ERR_STALLED, and runs on. */
 static void abandon_waiters(sp_jobs *s) {
     sp_mutex_lock(&s->counter_lock);
     for (size_t k = 0; k < s->counter_chunk_count; k++) {
@@ -70,6 +81,18 @@ static void abandon_waiters(sp_jobs *s) {
                 bool fiber = wt->kind == WAIT_FIBER;
                 job *jb = wt->job;
                 const char *name = fiber ? job_wait_name(jb) : jb->name;
+                if (fiber && thread_fiber(s, jb->fiber)) {
+                    sp_log(SP_LOG_ERROR, SP_ERR_STALLED, "sp_jobs_shutdown", c,
+                           "job '%s' waits on counter '%s' (value %lld, target %lld) that nothing "
+                           "can reach, on a thread's own stack (every fiber was in use): its "
+                           "wait returns SP_ERR_STALLED",
+                           name ? name : "(unnamed)", c->name ? c->name : "(unnamed)",
+                           (long long)atomic_load(&c->value), (long long)wt->target);
+                    s->stalled_resumed++;
+                    jb->stalled = true;
+                    jobs_job_ready(s, jobs_current_worker(), jb); /* wt dies when it runs */
+                    continue;
+                }
                 s->abandoned_jobs += fiber;
                 s->abandoned_records += fiber ? 1 : wt->count;
                 sp_log(SP_LOG_ERROR, SP_ERR_STALLED, "sp_jobs_shutdown", c,
@@ -152,6 +175,12 @@ void jobs_drain_check(sp_jobs *s) {
     if (finished && !atomic_exchange(&s->drained, 1)) counter_lower(s->drain, 1);
 }
 
+sp_result jobs_hook_misuse(worker *w, const char *call) {
+    return sp_misuse(SP_ERR_INVALID_ARG, call, w->s,
+                     "called from a profiling hook on worker %u: hooks must not submit or wait",
+                     w->id);
+}
+
 /* The calls of the main thread outside jobs: SP_OK there, else misuse under `call`. */
 static sp_result main_thread_only(sp_jobs *s, const char *call) {
     worker *w = jobs_current_worker();
@@ -189,7 +218,7 @@ sp_result sp_jobs_shutdown(sp_jobs *s) {
         sp_fiber_release(s->pool, s->spares[i]);
     atomic_store(&s->spare_count, 0);
     atomic_store(&s->stopped, 1);
-    return s->abandoned_records ? SP_ERR_STALLED : SP_OK;
+    return s->abandoned_records || s->stalled_resumed ? SP_ERR_STALLED : SP_OK;
 }
 
 /* ---- watchdog (debug builds) ----------------------------------------------------------- */

@@ -90,6 +90,8 @@ struct job {
     uint8_t rank;
     uint8_t kind;
     bool hiding;  /* a running piece holding jobs beyond its current step (sp_jobs.hidden) */
+    bool stalled; /* parked on a thread's own stack, and shutdown gave up on its wait: it is
+                     resumed, and that wait returns SP_ERR_STALLED (abandon_waiters) */
     waiter defer; /* first record of a deferred submit: its wait-list node */
 };
 
@@ -127,6 +129,7 @@ struct worker {
     waiter *pending_park;    /* after_switch: publish on pending_counter's wait list */
     sp_counter *pending_counter;
     sp_fiber *pending_spare; /* after_switch: becomes a spare */
+    bool in_hook;            /* a profiling hook runs on this thread (JOBS_HOOK) */
     job *next_job;           /* resumed by this worker's jobs: runs next (owner only) */
     job *local_head[RANKS];  /* pinned to this worker by itself (owner only, FIFO) */
     job *local_tail[RANKS];
@@ -181,6 +184,7 @@ struct sp_jobs {
     /* Shutdown gave up on jobs that could never run (main thread only): parked jobs, and the
      * records they and abandoned deferred batches hold (non-zero: something was abandoned). */
     uint64_t abandoned_jobs, abandoned_records;
+    uint64_t stalled_resumed; /* jobs parked on a thread's stack, resumed with SP_ERR_STALLED */
     /* job records */
     job *records;
     sp_mutex record_lock;
@@ -250,6 +254,22 @@ SP_HIDDEN void jobs_piece_hide(sp_jobs *s, job *j, bool hides);
 SP_HIDDEN SP_NOINLINE void jobs_counter_wake(sp_counter *c);
 /* Report `call` on a destroyed counter c (`what` names the argument) as misuse; returns
  * SP_ERR_INVALID_ARG. */
+/* Call profiling hook `fn` (may be NULL) with the parenthesised `args` on worker w's thread,
+ * marked as a hook call: sp_counter_wait and the submits refuse to run inside one (a wait
+ * there parked the worker's own thread job under a loop fiber; shutdown later ran that record
+ * as a fresh job). */
+#define JOBS_HOOK(w, fn, args)                                                                     \
+    do {                                                                                           \
+        if (fn) {                                                                                  \
+            (w)->in_hook = true;                                                                   \
+            fn args;                                                                               \
+            (w)->in_hook = false;                                                                  \
+        }                                                                                          \
+    } while (0)
+
+/* Misuse under `call` (w: the calling thread's worker, or NULL) inside a profiling hook. */
+SP_HIDDEN SP_COLD sp_result jobs_hook_misuse(worker *w, const char *call);
+
 /* SP_OK if c may be raised by n without passing SP_COUNTER_MAX, else misuse under `call`
  * (reported). A check before a submit takes its records: concurrent raises could pass it
  * together, but only by 2^32 each, against the 2^63 - 2^62 left before the value wraps. */

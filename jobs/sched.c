@@ -177,13 +177,17 @@ static void worker_idle(sp_jobs *s, worker *w, sp_counter *c, int64_t target) {
         stat_inc(&w->sleeps);
         /* After the hook, look again: it may have made a job ready here (a counter it signalled
          * resumes its parked job on this worker, where no push wakes anyone). */
-        bool ready = h->worker_sleep && (h->worker_sleep(h->user, w->id), has_work(s, w));
+        bool ready = false;
+        if (h->worker_sleep) {
+            JOBS_HOOK(w, h->worker_sleep, (h->user, w->id));
+            ready = has_work(s, w);
+        }
         uint64_t timeout = c ? 100000 : w->id == 0 && atomic_load(&s->closing) ? 1000000 : 0;
         while (!ready && atomic_load(&w->sleep) == 1) {
             sp_futex_wait((uint32_t *)&w->sleep, 1, timeout);
             if (timeout) break;
         }
-        if (h->worker_wake) h->worker_wake(h->user, w->id);
+        JOBS_HOOK(w, h->worker_wake, (h->user, w->id));
     }
     atomic_fetch_and(&s->idle_mask, ~bit);
     atomic_store(&w->sleep, 0);
@@ -383,7 +387,7 @@ SP_INLINE void switch_fiber(worker *w, sp_fiber *to) {
     sp_fiber *from = w->current_fiber;
     w->current_fiber = to;
     const sp_jobs_hooks *h = &w->s->desc.hooks;
-    if (h->fiber_switch) h->fiber_switch(h->user, w->id);
+    JOBS_HOOK(w, h->fiber_switch, (h->user, w->id));
     sp_fiber_switch(from, to);
     after_switch();
 }
@@ -458,7 +462,7 @@ static sp_fiber *job_unpark(worker *w, job *j) {
         w->current_job = j;
         stat_inc(&w->resumes);
         const sp_jobs_hooks *h = &w->s->desc.hooks;
-        if (h->job_resume) h->job_resume(h->user, w->id, job_wait_name(j));
+        JOBS_HOOK(w, h->job_resume, (h->user, w->id, job_wait_name(j)));
     }
     return f;
 }
@@ -500,7 +504,7 @@ SP_INLINE bool job_park(sp_jobs *s, worker *w, job *me, sp_counter *c, int64_t t
     if (me->kind != JOB_THREAD) {
         stat_inc(&w->parks);
         const sp_jobs_hooks *h = &s->desc.hooks;
-        if (h->job_park) h->job_park(h->user, w->id, job_wait_name(me));
+        JOBS_HOOK(w, h->job_park, (h->user, w->id, job_wait_name(me)));
     }
     w->pending_park = &node; /* published by whoever runs next on this thread */
     w->pending_counter = c;
@@ -653,10 +657,10 @@ void jobs_piece_run(sp_jobs *s, job *j) {
         jobs_piece_hide(s, j, e < j->end);
         if (j->kind == JOB_BATCH) {
             const batch_job *bj = &j->batch->jobs[b];
-            if (h->job_begin) h->job_begin(h->user, w->id, bj->name);
+            JOBS_HOOK(w, h->job_begin, (h->user, w->id, bj->name));
             bj->fn(bj->arg);
             w = jobs_current_worker();
-            if (h->job_end) h->job_end(h->user, w->id, bj->name);
+            JOBS_HOOK(w, h->job_end, (h->user, w->id, bj->name));
             j->completed++;
             stat_inc(&w->done);
         } else {
@@ -672,7 +676,7 @@ static void job_run(sp_jobs *s, worker *w, job *j) {
     const sp_jobs_hooks *h = &s->desc.hooks;
     const bool whole = j->kind != JOB_BATCH; /* a batch piece reports each of its jobs itself */
     w->current_job = j;
-    if (whole && h->job_begin) h->job_begin(h->user, w->id, j->name);
+    if (whole) JOBS_HOOK(w, h->job_begin, (h->user, w->id, j->name));
     if (j->kind == JOB_SINGLE) {
         j->fn(j->arg);
     } else {
@@ -680,7 +684,7 @@ static void job_run(sp_jobs *s, worker *w, job *j) {
     }
     w = jobs_current_worker();
     if (whole) {
-        if (h->job_end) h->job_end(h->user, w->id, j->name);
+        JOBS_HOOK(w, h->job_end, (h->user, w->id, j->name));
         stat_inc(&w->done);
     }
     int64_t n = whole ? 1 : (int64_t)j->completed;
@@ -776,7 +780,7 @@ static void wait_nested(sp_jobs *s, worker *w, job *me, sp_counter *c, int64_t t
     job *aside = NULL;
     uint32_t aside_n = 0;
     uint64_t seen = UINT64_MAX, since = 0; /* jobs run anywhere, and when that last changed */
-    while (!counter_reached(c, target)) {
+    while (!counter_reached(c, target) && !me->stalled) {
         job *k = find_work(s, w);
         if (k && !k->fiber && !room && aside_n < ASIDE_MAX) {
             k->next = aside;
@@ -813,6 +817,10 @@ static void wait_nested(sp_jobs *s, worker *w, job *me, sp_counter *c, int64_t t
         }
         w = jobs_current_worker();
     }
+    /* Leaving the wait, this thread goes back to its job: work anyone may run gets a worker,
+     * since a push may have woken (or counted on the spinning of) this thread alone (as
+     * job_unpark does for a thread's own stack). */
+    if (shared_work(s, w)) wake_idle(s, 1);
 }
 
 /* Wait on a worker's thread: park the running job (or the thread's own stack) and run the
@@ -820,8 +828,10 @@ static void wait_nested(sp_jobs *s, worker *w, job *me, sp_counter *c, int64_t t
 SP_INLINE void wait_on_worker(sp_jobs *s, worker *w, sp_counter *c, int64_t target) {
     job *me = w->current_job ? w->current_job : &w->thread_job;
     job *ready = w->next_job;
-    if (ready && ready->fiber) {
-        /* A handoff: the job this worker resumed runs next anyway; switch straight to it. */
+    if (ready && ready->fiber && !higher_waiting(s, w, ready->rank, true)) {
+        /* A handoff: the job this worker resumed runs next anyway; switch straight to it.
+         * Not past a job of a higher rank waiting for this worker: the loop then takes that
+         * first, and `ready` in its turn. */
         w->next_job = NULL;
         /* Not parked: put `ready` back (the slot may have been filled meanwhile). */
         if (!job_park(s, w, me, c, target, ready->fiber, ready)) jobs_job_ready(s, w, ready);
@@ -852,10 +862,17 @@ sp_result sp_counter_wait(sp_counter *c, int64_t target) {
                          "counter '%s' (value %lld) waited on after shutdown: nothing can reach it",
                          c->name ? c->name : "(unnamed)", (long long)atomic_load(&c->value));
     worker *w = jobs_worker_of(c->s);
-    if (w) {
-        wait_on_worker(c->s, w, c, target);
-    } else {
+    if (SP_UNLIKELY(w && w->in_hook)) return jobs_hook_misuse(w, "sp_counter_wait");
+    if (!w) {
         wait_blocking(c, target);
+        return SP_OK;
+    }
+    wait_on_worker(c->s, w, c, target);
+    /* Resumed (maybe elsewhere): shutdown may have given up on this wait (abandon_waiters). */
+    job *me = jobs_current_worker()->current_job;
+    if (SP_UNLIKELY(me && me->stalled)) {
+        me->stalled = false;
+        return SP_ERR_STALLED;
     }
     return SP_OK;
 }

@@ -26,7 +26,9 @@
  * lazily (a few records and steals per batch, not one per job); a piece takes its finished
  * jobs off the counter when it ends or when one of its jobs waits, so the value may lag behind
  * jobs that have returned while their piece still runs. Between its jobs a piece gives way to
- * a higher-priority job that became ready on its worker (its rest is queued again). Wait with
+ * a higher-priority job that became ready on its worker (its rest is queued again). A piece
+ * holds its jobs until its worker runs them (or another worker splits them off): while that
+ * worker is descheduled, other workers take lower-priority jobs rather than wait. Wait with
  * sp_counter_wait, never by polling sp_counter_value in a job (a sibling the poll waits for may be
  * queued behind it).
  *
@@ -35,7 +37,8 @@
  *
  * Where a resumed job runs: a parked job made ready by a job running on worker W runs next on
  * W (it is not stolen: a handoff stays on a warm cache), as soon as W's current job ends or
- * waits; made ready from elsewhere, it is queued like a new job.
+ * waits, after any job of a higher priority waiting for W; made ready from elsewhere, it is
+ * queued like a new job.
  *
  * Concurrency:
  *   sp_jobs_submit, sp_jobs_submit_after, sp_parallel_for,
@@ -95,8 +98,9 @@ typedef struct sp_job_desc {
 } sp_job_desc;
 
 /* Profiling hooks: each may be NULL; each is called on the thread concerned, with the worker
- * id, and must not submit, wait or block. `name` may be NULL; for a job of a batch it is that
- * job's own name (park and resume too). */
+ * id, and must not submit, wait or block (a submit, parallel_for or counter wait from one is
+ * misuse: SP_ERR_INVALID_ARG, reported, nothing done). `name` may be NULL; for a job of a batch it
+ * is that job's own name (park and resume too). */
 typedef struct sp_jobs_hooks {
     void *user;
     void (*job_begin)(void *user, uint32_t worker, const char *name);  /* first run */
@@ -170,9 +174,11 @@ sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc);
  * until destroy. Jobs that can never run (a batch deferred on, or a fiber parked on, a counter
  * nothing will reach once all else is done, 100 ms without progress) are reported one by one
  * with SP_ERR_STALLED naming job and counter, and abandoned: shutdown then returns
- * SP_ERR_STALLED instead of SP_OK. Threads blocked in sp_counter_wait outside the scheduler
- * stay blocked. Main thread only, outside jobs (else misuse, SP_ERR_INVALID_ARG; NULL s too).
- * A second call does nothing and returns SP_ERR_SHUTDOWN. */
+ * SP_ERR_STALLED instead of SP_OK. (A job that waits on a thread's own stack, as waits do when
+ * every fiber is in use, cannot be abandoned with that stack: its wait returns SP_ERR_STALLED
+ * and the job runs on; reported the same way.) Threads blocked in sp_counter_wait outside the
+ * scheduler stay blocked. Main thread only, outside jobs (else misuse, SP_ERR_INVALID_ARG; NULL s
+ * too). A second call does nothing and returns SP_ERR_SHUTDOWN. */
 sp_result sp_jobs_shutdown(sp_jobs *s);
 
 /* Shut down if not done (stalled jobs reported and abandoned as there), then free everything;
@@ -297,7 +303,10 @@ int64_t sp_counter_value(const sp_counter *c);
  * fibers can hold then waits for fibers to come free, and if no job finishes anywhere for a
  * second that is reported as SP_ERR_STALLED (once; the wait goes on).
  * On the main thread outside jobs: runs jobs until the counter is reached, then sleeps on a
- * futex. On other threads: sleeps on a futex. Returns SP_OK; misuse: SP_ERR_INVALID_ARG
+ * futex. On other threads: sleeps on a futex. Returns SP_OK; SP_ERR_STALLED when shutdown
+ * gave up on the wait (it can never complete, and the job waited on a thread's own stack with
+ * every fiber in use, so the job cannot be abandoned: it runs on instead); misuse:
+ * SP_ERR_INVALID_ARG
  * (NULL, or a destroyed counter: returns at once), SP_ERR_SHUTDOWN (the counter is not
  * reached and the scheduler is shut down: nothing can reach it any more).
  * Debug builds: a wait that nothing can complete (no job running or runnable, no progress for

@@ -41,8 +41,9 @@ static sp_result submit(sp_jobs *s, sp_counter *after, int64_t after_target, con
                                  : "bad priority");
         if (d[i].pinned || d[i].priority != d[0].priority) as_batch = false;
     }
-    if (n == 0) return SP_OK;
     worker *w = jobs_worker_of(s);
+    if (SP_UNLIKELY(w && w->in_hook)) return jobs_hook_misuse(w, call);
+    if (n == 0) return SP_OK;
     const uint32_t records = as_batch ? 1 : n;
     /* Jobs may submit while shutdown drains (they are pending work); others may not. A thread
      * that is not a worker counts its records before it reads `closing`; shutdown sets
@@ -134,6 +135,7 @@ sp_result sp_parallel_for(sp_jobs *s, uint64_t begin, uint64_t end, uint64_t gra
     if (grain == 0) grain = (end - begin) / (64 * (uint64_t)(s->nworkers + 1));
     if (grain == 0) grain = 1;
     worker *w = jobs_worker_of(s);
+    if (SP_UNLIKELY(w && w->in_hook)) return jobs_hook_misuse(w, "sp_parallel_for");
     if (!w) atomic_fetch_add(&s->ext_taken, 1);
     if (SP_UNLIKELY((!w || !w->current_job) && atomic_load(&s->closing))) {
         if (!w) atomic_fetch_sub(&s->ext_taken, 1);

@@ -809,6 +809,133 @@ static void test_audit_sleep_hook(void) {
     S = NULL;
 }
 
+/* Shutdown with a stalled job parked on the main thread's own stack: a fixed pool of 2 fibers,
+ * both held by parked jobs, so shutdown's drain runs k on the main stack; k readies one parked
+ * job and waits on a counter nothing reaches, parking on that stack. Abandoning k released the
+ * main thread's own fiber (misuse) and shutdown never returned. Now k's wait returns
+ * SP_ERR_STALLED and k runs on. */
+static sp_counter *ts_x, *ts_y, *ts_started;
+static sp_result ts_k_rc = SP_OK;
+static atomic_int ts_k_done;
+
+static void ts_parker(void *arg) {
+    sp_counter_sub(ts_started, 1);
+    sp_counter_wait((sp_counter *)arg, 0);
+}
+
+static void ts_k(void *arg) {
+    (void)arg;
+    sp_counter_sub(ts_y, 1);
+    ts_k_rc = sp_counter_wait(ts_x, 0);
+    atomic_store(&ts_k_done, 1);
+}
+
+static void test_audit_stalled_on_thread_stack(void) {
+    CFG = &jt_sweep[0];
+    sp_jobs_desc desc = {.no_workers = true, .fibers = 2, .fibers_max = 2};
+    if (sp_jobs_create(&S, &desc) != SP_OK) {
+        ok(0, "stalled on the thread stack: create");
+        return;
+    }
+    ts_x = counter("X");
+    ts_y = counter("Y");
+    ts_started = counter("started");
+    sp_counter_add(ts_x, 1);
+    sp_counter_add(ts_y, 1);
+    sp_counter_add(ts_started, 2);
+    sp_job_desc j[2] = {jt_job(ts_parker, ts_x, "parker x"), jt_job(ts_parker, ts_y, "parker y")};
+    sp_jobs_submit(S, &j[0], 1, NULL);
+    sp_jobs_submit(S, &j[1], 1, NULL);
+    sp_counter_wait(ts_started, 0);
+    sp_jobs_status before;
+    sp_jobs_status_get(S, &before);
+    sp_job_desc k = jt_job(ts_k, NULL, "k");
+    sp_jobs_submit(S, &k, 1, NULL);
+    jt_log_reset();
+    sp_result r = sp_jobs_shutdown(S);
+    sp_jobs_status st;
+    sp_jobs_status_get(S, &st);
+    ok(before.fibers_in_use == 2 && r == SP_ERR_STALLED && ts_k_rc == SP_ERR_STALLED &&
+           atomic_load(&ts_k_done) &&
+           jt_log_has(SP_ERR_STALLED, "sp_jobs_shutdown", "'parker x'") &&
+           jt_log_has(SP_ERR_STALLED, "sp_jobs_shutdown", "'k'") &&
+           jt_log_count(SP_ERR_FOREIGN_POINTER, -1) == 0 && st.fibers_in_use == 0,
+       "shutdown, a stalled job parked on the main thread's own stack: shutdown returns (%s); "
+       "that job's wait returns %s and it finishes; the other is abandoned; no fiber misuse, "
+       "every fiber back (%u in use)",
+       sp_result_name(r), sp_result_name(ts_k_rc), st.fibers_in_use);
+    if (jt_log_count(SP_ERR_FOREIGN_POINTER, -1)) jt_log_diag();
+    sp_jobs_destroy(S);
+    S = NULL;
+    jt_log_reset();
+}
+
+/* Hooks that submit, wait or run a parallel_for: refused as misuse (a wait from a
+ * worker_sleep hook used to park the worker's thread job under a loop fiber; shutdown then
+ * ran that record as a fresh job and crashed). */
+static sp_counter *hook_c;
+static atomic_int hook_tried, hook_c_ready;
+static sp_result hook_wait_rc, hook_submit_rc, hook_pfor_rc;
+
+static void hook_nop(void *arg) {
+    (void)arg;
+}
+static void hook_range(void *arg, uint64_t b, uint64_t e) {
+    (void)arg, (void)b, (void)e;
+}
+
+static void misusing_sleep_hook(void *user, uint32_t index) {
+    (void)user;
+    if (index != 1 || !atomic_load(&hook_c_ready) || atomic_exchange(&hook_tried, 1)) return;
+    hook_wait_rc = sp_counter_wait(hook_c, 0);
+    sp_job_desc j = {.fn = hook_nop, .name = "from a hook"};
+    hook_submit_rc = sp_jobs_submit(S, &j, 1, NULL);
+    hook_pfor_rc = sp_parallel_for(S, 0, 100, 1, hook_range, NULL);
+    atomic_store(&hook_tried, 2);
+}
+
+static void test_audit_hook_misuse(void) {
+    CFG = &jt_sweep[2];
+    sp_jobs_desc desc = {.workers = 1, .hooks = {.worker_sleep = misusing_sleep_hook}};
+    if (sp_jobs_create(&S, &desc) != SP_OK) {
+        ok(0, "hook misuse: create");
+        return;
+    }
+    hook_c = counter("hook c");
+    sp_counter_add(hook_c, 1);
+    jt_log_reset();
+    atomic_store(&hook_c_ready, 1);
+    /* Worker 1 may be asleep already: a job pinned there makes it go to sleep again. */
+    sp_job_desc nudge = jt_job(hook_nop, NULL, "nudge");
+    nudge.pinned = true;
+    nudge.worker = 1;
+    sp_jobs_submit(S, &nudge, 1, NULL);
+    bool tried = jt_poll_int(&hook_tried, 2);
+    atomic_store(&hook_c_ready, 0);
+    sp_counter_sub(hook_c, 1);
+    sp_counter *k = counter("after");
+    sp_job_desc j = jt_job(hook_nop, NULL, "pinned");
+    j.pinned = true;
+    j.worker = 1;
+    bool ran = sp_jobs_submit(S, &j, 1, k) == SP_OK && sp_counter_wait(k, 0) == SP_OK;
+    sp_result shut = sp_jobs_shutdown(S);
+    ok(tried && hook_wait_rc == SP_ERR_INVALID_ARG && hook_submit_rc == SP_ERR_INVALID_ARG &&
+           hook_pfor_rc == SP_ERR_INVALID_ARG &&
+           jt_log_has(SP_ERR_INVALID_ARG, "sp_counter_wait", "profiling hook") &&
+           jt_log_has(SP_ERR_INVALID_ARG, "sp_jobs_submit", "profiling hook") &&
+           jt_log_has(SP_ERR_INVALID_ARG, "sp_parallel_for", "profiling hook") && ran &&
+           shut == SP_OK,
+       "a worker_sleep hook's wait, submit and parallel_for: each SP_ERR_INVALID_ARG, reported "
+       "(%s, %s, %s); the worker then runs a pinned job and shutdown is clean (%s)",
+       sp_result_name(hook_wait_rc), sp_result_name(hook_submit_rc), sp_result_name(hook_pfor_rc),
+       sp_result_name(shut));
+    sp_counter_destroy(k);
+    sp_counter_destroy(hook_c);
+    sp_jobs_destroy(S);
+    S = NULL;
+    jt_log_reset();
+}
+
 /* Fork-join deeper than the fibers: a 3-ary tree of jobs, each waiting on its children, 8
  * deep (9,841 jobs; on odd levels one child pinned to a worker). On a fixed pool (8 fibers of
  * 64 KiB) waits that find no fiber run jobs on their own stack; that nesting used to run off
@@ -974,6 +1101,10 @@ int main(void) {
     test_audit_stalled_destroy(two);
     jt_deadline("audit: a sleep hook that signals", 30);
     test_audit_sleep_hook();
+    jt_deadline("audit: a stalled job on the main thread's stack", 30);
+    test_audit_stalled_on_thread_stack();
+    jt_deadline("audit: hooks that wait or submit", 30);
+    test_audit_hook_misuse();
     jt_deadline("audit: a deep fork-join tree", 60);
     test_audit_deep_tree();
     jt_deadline("audit: an address-space limit", 30);
