@@ -80,7 +80,8 @@ static void abandon_waiters(sp_jobs *s) {
                 next = wt->next;
                 bool fiber = wt->kind == WAIT_FIBER;
                 job *jb = wt->job;
-                const char *name = fiber ? job_wait_name(jb) : jb->name;
+                const job *subject = fiber ? job_wait_subject(jb) : jb;
+                const char *name = job_wait_name(subject ? subject : jb);
                 if (fiber && thread_fiber(s, jb->fiber)) {
                     sp_log(SP_LOG_ERROR, SP_ERR_STALLED, "sp_jobs_shutdown", c,
                            "job '%s' waits on counter '%s' (value %lld, target %lld) that nothing "

@@ -89,10 +89,13 @@ struct job {
     uint32_t resume_pin; /* worker it must run on, or NO_PIN */
     uint8_t rank;
     uint8_t kind;
-    bool hiding;  /* a running piece holding jobs beyond its current step (sp_jobs.hidden) */
-    bool stalled; /* parked on a thread's own stack, and shutdown gave up on its wait: it is
-                     resumed, and that wait returns SP_ERR_STALLED (abandon_waiters) */
-    waiter defer; /* first record of a deferred submit: its wait-list node */
+    bool hiding;    /* a running piece holding jobs beyond its current step (sp_jobs.hidden) */
+    job *host;      /* on_caller: the job the range runs within (NULL: none) */
+    bool on_caller; /* JOB_PFOR: the range sp_parallel_for runs on its caller, not a job of
+                       its own (no job_begin): its waits are its host's */
+    bool stalled;   /* parked on a thread's own stack, and shutdown gave up on its wait: it is
+                       resumed, and that wait returns SP_ERR_STALLED (abandon_waiters) */
+    waiter defer;   /* first record of a deferred submit: its wait-list node */
 };
 
 struct sp_counter {
@@ -222,6 +225,14 @@ static inline void stat_add(_Atomic uint64_t *x, uint64_t n) { /* owner-only sta
  * (hooks, shutdown's reports). */
 static inline const char *job_wait_name(const job *j) {
     return j->kind == JOB_BATCH && j->begin > 0 ? j->batch->jobs[j->begin - 1].name : j->name;
+}
+
+/* Whose wait a park of j is, for the hooks and the park counts: j's own, or for a
+ * parallel_for range its caller runs (not a job of its own: no job_begin), the job it runs
+ * within; NULL for a thread's own stack outside jobs (not a job's wait). */
+static inline const job *job_wait_subject(const job *j) {
+    while (j && j->on_caller) j = j->host;
+    return j && j->kind != JOB_THREAD ? j : NULL;
 }
 
 static inline bool deque_nonempty(sp_deque *d) {

@@ -460,9 +460,12 @@ static sp_fiber *job_unpark(worker *w, job *j) {
         jobs_busy_set(w, 0);
     } else {
         w->current_job = j;
-        stat_inc(&w->resumes);
-        const sp_jobs_hooks *h = &w->s->desc.hooks;
-        JOBS_HOOK(w, h->job_resume, (h->user, w->id, job_wait_name(j)));
+        const job *subject = job_wait_subject(j);
+        if (subject) {
+            stat_inc(&w->resumes);
+            const sp_jobs_hooks *h = &w->s->desc.hooks;
+            JOBS_HOOK(w, h->job_resume, (h->user, w->id, job_wait_name(subject)));
+        }
     }
     return f;
 }
@@ -501,10 +504,11 @@ SP_INLINE bool job_park(sp_jobs *s, worker *w, job *me, sp_counter *c, int64_t t
     me->fiber = w->current_fiber;
     /* A thread's own stack must come back to its own thread. */
     if (w->current_fiber == w->thread_fiber) me->resume_pin = w->id;
-    if (me->kind != JOB_THREAD) {
+    const job *subject = job_wait_subject(me);
+    if (subject) {
         stat_inc(&w->parks);
         const sp_jobs_hooks *h = &s->desc.hooks;
-        JOBS_HOOK(w, h->job_park, (h->user, w->id, job_wait_name(me)));
+        JOBS_HOOK(w, h->job_park, (h->user, w->id, job_wait_name(subject)));
     }
     w->pending_park = &node; /* published by whoever runs next on this thread */
     w->pending_counter = c;

@@ -99,7 +99,10 @@ typedef struct sp_job_desc {
 
 /* Profiling hooks: each may be NULL; each is called on the thread concerned, with the worker
  * id, and must not submit, wait or block (a submit, parallel_for or counter wait from one is
- * misuse: SP_ERR_INVALID_ARG, reported, nothing done). `name` may be NULL; for a job of a batch it
+ * misuse: SP_ERR_INVALID_ARG, reported, nothing done). The range sp_parallel_for runs on its
+ * caller is not a job of its own (no job_begin): a wait in its body parks and resumes the
+ * calling job (none for a thread outside jobs); the pieces split off are jobs named
+ * "sp_parallel_for". `name` may be NULL; for a job of a batch it
  * is that job's own name (park and resume too). */
 typedef struct sp_jobs_hooks {
     void *user;
@@ -143,7 +146,8 @@ typedef struct sp_jobs_status {
     uint64_t jobs_submitted; /* since create; parallel_for pieces split off count as jobs */
     uint64_t jobs_run;       /* finished (each with a job_begin and a job_end hook call) */
     uint64_t jobs_stolen;
-    uint64_t parks;             /* waits that parked a fiber */
+    uint64_t parks;             /* jobs' waits that parked a fiber (not a thread's own waits
+                                   outside jobs, nor a parallel_for body's there) */
     uint32_t fibers_in_use;     /* acquired from the pool (running, parked or cached by a worker) */
     uint32_t fibers_total;      /* made so far: fibers, more once the pool grew */
     uint32_t fibers_spare;      /* of fibers_in_use, suspended on the scheduler's spare list for

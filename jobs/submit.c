@@ -161,6 +161,8 @@ sp_result sp_parallel_for(sp_jobs *s, uint64_t begin, uint64_t end, uint64_t gra
          * comes back where the caller may run). */
         job *outer = w->current_job;
         piece.resume_pin = outer ? outer->resume_pin : NO_PIN;
+        piece.on_caller = true;
+        piece.host = outer;
         w->current_job = &piece;
         jobs_piece_hide(s, &piece, end - begin > grain);
         jobs_piece_run(s, &piece);

@@ -181,6 +181,16 @@ static void gate_open_fn(void *arg) {
     sp_counter_sub(gate, 1);
 }
 
+/* A parallel_for of one index whose body waits on the gate. */
+static void pfor_wait_body(void *arg, uint64_t b, uint64_t e) {
+    (void)arg, (void)b, (void)e;
+    sp_counter_wait(gate, 0);
+}
+static void pfor_caller_fn(void *arg) {
+    (void)arg;
+    sp_parallel_for(S, 0, 1, 1, pfor_wait_body, NULL);
+}
+
 static void test_hook_names(void) {
     if (!create((sp_jobs_desc){.no_workers = true,
                                .hooks = {.job_park = on_park, .job_resume = on_resume}}))
@@ -195,6 +205,32 @@ static void test_hook_names(void) {
     ok(sub && strcmp(parked_as, "B") == 0 && strcmp(resumed_as, "B") == 0,
        "a batch job that waits: job_park and job_resume name it ('%s', '%s', want 'B')", parked_as,
        resumed_as);
+    /* A parallel_for body that waits: the range runs on its caller, not as a job of its own
+     * (no job_begin names it), so its park and resume are the caller's: those of job D, and
+     * none at all for the main thread outside jobs (they named "sp_parallel_for"). */
+    parked_as[0] = resumed_as[0] = 0;
+    sp_counter_add(gate, 1);
+    sp_job_desc d = jt_job(pfor_caller_fn, NULL, "D"), o = jt_job(gate_open_fn, NULL, "open");
+    o.priority = SP_PRIORITY_LOW;
+    sub = sp_jobs_submit(S, &d, 1, c) == SP_OK && sp_jobs_submit(S, &o, 1, c) == SP_OK;
+    sp_counter_wait(c, 0);
+    bool in_job = strcmp(parked_as, "D") == 0 && strcmp(resumed_as, "D") == 0;
+    char in_job_park[16], in_job_resume[16];
+    memcpy(in_job_park, parked_as, sizeof parked_as);
+    memcpy(in_job_resume, resumed_as, sizeof resumed_as);
+    parked_as[0] = resumed_as[0] = 0;
+    sp_counter_add(gate, 1);
+    sp_jobs_status st0, st1;
+    sp_jobs_status_get(S, &st0);
+    sp_jobs_submit(S, &o, 1, c); /* runs when the body's wait lets the main thread run jobs */
+    sp_parallel_for(S, 0, 1, 1, pfor_wait_body, NULL);
+    sp_counter_wait(c, 0);
+    sp_jobs_status_get(S, &st1);
+    ok(sub && in_job && parked_as[0] == 0 && resumed_as[0] == 0 && st1.parks == st0.parks,
+       "a parallel_for body that waits: park and resume name its caller, job D ('%s', '%s'); "
+       "from the main thread outside jobs, none ('%s', '%s'; parks %llu -> %llu)",
+       in_job_park, in_job_resume, parked_as, resumed_as, (unsigned long long)st0.parks,
+       (unsigned long long)st1.parks);
     sp_counter_destroy(gate);
     sp_counter_destroy(c);
     sp_jobs_destroy(S);
