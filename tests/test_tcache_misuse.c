@@ -48,7 +48,11 @@ static void *remote_free(void *p) {
     return NULL;
 }
 
+/* The freeing thread's OS id, for the check that a report names the owner, not the caller. */
+static uint64_t remote_double_free_tid;
+
 static void *remote_double_free(void *p) {
+    remote_double_free_tid = sp_thread_os_id();
     ts_log_reset();
     sp_tcache_free(p);
     return NULL;
@@ -79,6 +83,19 @@ static void test_reported(void) {
     sp_thread_join(t);
     ok(ts_logged.count == 1 && ts_logged.last_id == SP_ERR_DOUBLE_FREE,
        "a second free on another thread is refused too");
+    /* The block was allocated here and double-freed there: the report must name this (the
+     * owning) thread, not the one that made the bad call. The check above, on one thread,
+     * cannot tell the two apart. The ")" that ends the report's "span of thread N" keeps one
+     * id from matching as a prefix of the other. */
+    char owner[40], them[40];
+    snprintf(owner, sizeof owner, "thread %llu)", (unsigned long long)sp_thread_os_id());
+    snprintf(them, sizeof them, "thread %llu)", (unsigned long long)remote_double_free_tid);
+    ok(remote_double_free_tid != sp_thread_os_id() && strstr(ts_logged.last_message, owner) &&
+           !strstr(ts_logged.last_message, them),
+       "a double free on another thread names the owning thread %llu, not the freeing thread %llu "
+       "(\"%s\")",
+       (unsigned long long)sp_thread_os_id(), (unsigned long long)remote_double_free_tid,
+       ts_logged.last_message);
     refuse_all(live + 16, SP_ERR_INVALID_POINTER, "sp_tcache_free", "interior +16");
     refuse_all(live + 1, SP_ERR_INVALID_POINTER, "sp_tcache_free", "misaligned +1");
     uintptr_t span0 = (uintptr_t)live & ~(SP_TCACHE_SPAN - 1);
@@ -203,7 +220,7 @@ static void test_fatal(void) {
 }
 
 int main(void) {
-    plan(46);
+    plan(47);
     test_reported();
     test_large_unlocked();
     test_fatal();
