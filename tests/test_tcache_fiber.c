@@ -4,8 +4,18 @@
  * moment (the span's owner thread), never from a cache pointer kept across the switch; the
  * blocks allocated on A are then freed on B (remote frees). Repeated for several rounds and
  * size classes; runs under TSan and ASan. Also built as position-independent code in a shared
- * library (tcache_fiber_pic), where gcc 12 and clang 14 keep a plain thread-local's address
- * across the switch: a naive accessor fails test 4 there (checked by hand with both). */
+ * library (tcache_fiber_pic).
+ *
+ * What test 4 can catch where: sp_tcache_tls is an initial-exec thread-local, and gcc 12 on
+ * x86-64 reloads %fs for every plain read of it, at -O0 and -O2, with and without -fPIC
+ * (checked on the assembly), so a naive accessor (a plain read of sp_tcache_tls) passes test 4
+ * here. What compilers do keep across a call is a thread-local's address: gcc 12 -O2 -fPIC
+ * calls __tls_get_addr once for a global-dynamic thread-local and reuses the address after the
+ * call, and folds &tls taken before and after a call into one; aarch64 clang 14 keeps the
+ * address of an initial-exec thread-local too (recorded at SP_TLS_FRESH in sp_platform.h, not
+ * checked here). Test 4 fails where sp_tcache_self() is compiled like that. Test 5 is its negative
+ * control: an accessor that kept the TLS slot's address from before the switch, as such a compiler
+ * would, must be caught by the same comparison on every round. */
 #include <stdatomic.h>
 #include <string.h>
 
@@ -19,11 +29,17 @@ int main(void);
 enum { ROUNDS = 50, SIZES = 6 };
 static const size_t sizes[SIZES] = {16, 48, 200, 1000, 5000, 30000};
 
+/* The calling thread's cache slot, read in a function of its own (no address from the caller's
+ * frame can be reused): the control's reference value. */
+__attribute__((noinline)) static sp_tcache *tls_now(void) {
+    return sp_tcache_tls;
+}
+
 typedef struct ctx {
     sp_fiber *home; /* the thread fiber to switch back to (set by whoever resumes) */
     void *before[SIZES];
     uint64_t tid_before, tid_after;
-    int wrong_before, wrong_after, same_thread, stale_cache;
+    int wrong_before, wrong_after, same_thread, stale_cache, kept_stale;
     bool finished;
 } ctx;
 
@@ -41,7 +57,14 @@ static void job(sp_fiber *self, void *arg) {
 #if SP_TCACHE_INLINE
         sp_tcache *cache_before = sp_tcache_self(); /* the accessor the inline paths use */
 #endif
+        /* The negative control's accessor: the address of this thread's slot, kept. */
+        sp_tcache *kept_before = sp_tcache_tls;
+        sp_tcache **kept_slot = &sp_tcache_tls;
         sp_fiber_switch(self, x->home); /* resumed on the other thread */
+        /* Through the kept address: the slot of the thread the fiber left, which still holds
+         * that thread's cache - the same value as before (what test 4 counts as stale) and not
+         * this thread's, so the comparison of test 4 tells a kept address from a fresh one. */
+        x->kept_stale += *kept_slot == kept_before && *kept_slot != tls_now();
 #if SP_TCACHE_INLINE
         /* Read again with nothing but the switch in between: a compiler that kept the TLS
          * address would hand back the other thread's cache here. */
@@ -92,7 +115,7 @@ static void *thread_run(void *arg) {
 }
 
 int main(void) {
-    plan(5);
+    plan(6);
     static world w;
     sp_fiber_pool *pool;
     if (sp_fiber_pool_create(&pool, 1, 128 * 1024) != SP_OK) skip_all("no fiber pool");
@@ -114,6 +137,10 @@ int main(void) {
     ok(w.x.stale_cache == 0,
        "the cache pointer read right after a switch is the new thread's (stale %d times%s)",
        w.x.stale_cache, SP_TCACHE_INLINE ? "" : "; no inline accessor in this build");
+    ok(w.x.kept_stale == ROUNDS,
+       "negative control: an accessor that kept the TLS slot's address across the switch reads "
+       "the old thread's cache and is caught every round (%d of %d)",
+       w.x.kept_stale, ROUNDS);
     sp_fiber_release(pool, w.fiber);
     sp_fiber_pool_destroy(pool);
     sp_tcache_trim();
