@@ -490,16 +490,29 @@ static void test_misuse(void) {
 static void test_debug_fill(void) {
     if (SP_DEBUG < 1 || TRACK_ASAN || TRACK_VALGRIND) {
         ok(1, "# SKIP the 0xFD fill is for debug builds without ASan/Valgrind");
+        ok(1, "# SKIP the 0xFD fill of direct blocks, likewise");
         return;
     }
     sp_frame_arena *a = make(2, 1u << 20, 4096, SP_FRAME_OVERFLOW_NULL);
     volatile uint8_t *p = sp_frame_alloc(a, 100);
     memset((void *)p, 0x11, 100);
+    /* 64 KiB, far above chunk_size / 4: taken from the buffer directly, not from a chunk (the
+     * reclaim fills that part separately, from the buffer's direct mark up). */
+    enum { BIG = 64 * 1024 };
+    volatile uint8_t *big = sp_frame_alloc(a, BIG);
+    if (big) memset((void *)big, 0x22, BIG);
     sp_frame_arena_advance(a, NULL);
     bool intact = p[0] == 0x11 && p[99] == 0x11;
+    bool big_intact = big && big[0] == 0x22 && big[BIG - 1] == 0x22;
     sp_frame_arena_advance(a, NULL);
     bool filled = p[0] == 0xFD && p[99] == 0xFD && p[4095] == 0xFD;
+    size_t big_filled = 0; /* bytes of the large block that read 0xFD */
+    for (size_t i = 0; big && i < BIG; i++) big_filled += big[i] == 0xFD;
     ok(intact && filled, "debug build: frame 0's data intact in frame 1, 0xFD from frame 2 on");
+    ok(big_intact && big_filled == BIG,
+       "debug build: a 64 KiB direct block too (intact in frame 1, %zu of %d bytes 0xFD in "
+       "frame 2)",
+       big_filled, BIG);
     sp_frame_arena_destroy(a);
 }
 
@@ -666,8 +679,7 @@ static void test_churn(void) {
     char *d = churn_alloc_on_new_thread(); /* frame 4: D takes a hole */
     char *e = churn_alloc_on_new_thread(); /* E the other */
     char *f = churn_alloc_on_new_thread(); /* F past C's chunk */
-    ok(a1 == base + 1024 && c == base + 2048 && d == base && e == base + 1024 &&
-           f == base + 3072,
+    ok(a1 == base + 1024 && c == base + 2048 && d == base && e == base + 1024 && f == base + 3072,
        "kept chunks of threads that did not come back are holes the next round, fresh claims "
        "take them first (%td %td %td %td %td)",
        a1 - base, c - base, d - base, e - base, f - base);
@@ -675,7 +687,7 @@ static void test_churn(void) {
 
     /* More than 512 holes (the most a buffer keeps): the next round reserves nothing. */
     churn_arena = make(2, 4u << 20, 1024, SP_FRAME_OVERFLOW_NULL); /* 2,048 chunks a buffer */
-    churn_n = 600 * 64;                        /* 600 chunks, the first 8 kept */
+    churn_n = 600 * 64; /* 600 chunks, the first 8 kept */
     base = churn_alloc_on_new_thread();
     churn_n = 1;
     char *last = churn_alloc_on_new_thread(); /* chunk 600: 592 holes below it */
@@ -684,7 +696,8 @@ static void test_churn(void) {
     char *again = churn_alloc_on_new_thread();
     ok(last == base + 600 * 1024 && again == base,
        "more holes than a buffer keeps: the next round reserves nothing (fresh claims from chunk "
-       "0: %td)", again - base);
+       "0: %td)",
+       again - base);
     sp_frame_arena_destroy(churn_arena);
 
     /* A thread back after skipping a round does not ask for its old chunk, which the round it
@@ -700,7 +713,8 @@ static void test_churn(void) {
     char *m4 = sp_frame_alloc(churn_arena, 16);
     ok(b2 == m0 + 1024 && c4 == m0 && m4 == m0 + 2048,
        "a thread that skipped a round claims fresh: its old chunk went to another thread as a "
-       "hole (%td %td %td)", b2 - m0, c4 - m0, m4 - m0);
+       "hole (%td %td %td)",
+       b2 - m0, c4 - m0, m4 - m0);
     sp_frame_arena_destroy(churn_arena);
 
     /* More threads than claim records (64 per buffer): every claim counted. */
@@ -739,14 +753,15 @@ static void test_churn(void) {
     char *x2 = sp_frame_alloc(x, 16);
     ok(x2 == x0 && n2 == x0 + 8 * 1024,
        "200 switches between two arenas of one slot: the thread still has its record (its first "
-       "chunk back: %td; a new thread's fresh chunk: %td)", x2 - x0, n2 - x0);
+       "chunk back: %td; a new thread's fresh chunk: %td)",
+       x2 - x0, n2 - x0);
     for (int i = 0; i < 3; i++) sp_frame_arena_destroy(other[i]);
     sp_frame_arena_destroy(x);
     sp_frame_arena_destroy(y);
 }
 
 int main(void) {
-    plan(50);
+    plan(51);
     for (uint32_t n = 1; n <= 4; n++) test_lifetime(n);
     test_alignment();
     test_chunks();
