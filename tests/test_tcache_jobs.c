@@ -45,8 +45,12 @@ static void waiter_job(void *arg) {
 int main(void) {
     plan(6);
     sp_jobs *s = NULL;
-    if (sp_jobs_create(&s, &(sp_jobs_desc){.workers = 4}) != SP_OK)
-        skip_all("sp_jobs_create failed");
+    /* A scheduler that cannot be made is the library failing, not a limit of this machine. */
+    sp_result r = sp_jobs_create(&s, &(sp_jobs_desc){.workers = 4});
+    if (r != SP_OK) {
+        ok(0, "sp_jobs_create with 4 workers: %s", sp_result_name(r));
+        return done();
+    }
     int rounds = ts_migration_rounds(s, waiter_job, MIN_ROUNDS, MAX_ROUNDS, &migrations,
                                      WANT_MIGRATIONS, NULL, NULL);
     bool submitted = rounds >= 0;
