@@ -733,8 +733,52 @@ static void test_fork_locks(void) {
     ok(waited, "fork_prepare waits for a thread that holds its cache's list lock");
 }
 
+/* The shared fallback cache's blocks count in sp_tcache_status_get: under explicit_attach a
+ * thread that never attached allocates from it, and its blocks are as live as any. */
+enum { FALLBACK_BLOCKS = 10 };
+static void *fallback_block[FALLBACK_BLOCKS];
+
+static void *fallback_allocates(void *arg) {
+    (void)arg;
+    for (int i = 0; i < FALLBACK_BLOCKS; i++) fallback_block[i] = sp_tcache_alloc(64);
+    return NULL;
+}
+
+static void test_fallback_counted(void) {
+    sp_tcache_desc desc = {.region_size = (size_t)1 << 30, .explicit_attach = true};
+    if (!ok(sp_tcache_init(&desc) == SP_OK, "init with explicit_attach")) return;
+    ts_log_capture(); /* the thread is told once that it uses the fallback cache */
+    sp_tcache_status st0, st;
+    sp_tcache_status_get(&st0);
+    sp_thread t;
+    sp_thread_start(&t, fallback_allocates, NULL, "sp-fallback");
+    sp_thread_join(t);
+    sp_tcache_status_get(&st);
+    int got = 0, fallback = 0;
+    for (int i = 0; i < FALLBACK_BLOCKS; i++) {
+        got += fallback_block[i] != NULL;
+        fallback += fallback_block[i] && sp_tcache_owner_thread(fallback_block[i]) == 0;
+    }
+    ok(got == FALLBACK_BLOCKS && fallback == FALLBACK_BLOCKS && st.caches == 0 &&
+           ts_logged.last_id == SP_ERR_INVALID_ARG,
+       "an unattached thread under explicit_attach: %d blocks from the shared fallback cache "
+       "(no owner thread: %d; caches %zu)",
+       got, fallback, st.caches);
+    ok(st.live_blocks == st0.live_blocks + FALLBACK_BLOCKS &&
+           st.bytes_used == st0.bytes_used + FALLBACK_BLOCKS * 64,
+       "status_get counts the fallback cache's blocks: live %zu -> %zu, used %zu -> %zu",
+       st0.live_blocks, st.live_blocks, st0.bytes_used, st.bytes_used);
+    for (int i = 0; i < FALLBACK_BLOCKS; i++) sp_tcache_free(fallback_block[i]);
+    sp_tcache_trim();
+    sp_tcache_status_get(&st);
+    ok(st.live_blocks == st0.live_blocks, "freed: live blocks back to %zu (%zu)", st0.live_blocks,
+       st.live_blocks);
+    ts_log_release();
+    is_int(sp_tcache_shutdown(), 0, "shutdown after the fallback test: nothing leaked");
+}
+
 int main(void) {
-    plan(52);
+    plan(57);
     sp_tcache_desc desc = {.region_size = (size_t)1 << 30, .keep_detached = 2};
     ok(sp_tcache_init(&desc) == SP_OK, "init");
     test_classes();
@@ -762,6 +806,7 @@ int main(void) {
     ok(none[0].bytes_used == 0 && none[0].pool_count == 0 && none[1].bytes_used == 0 &&
            none[1].high_water == 0,
        "heap_status after shutdown: all zero");
+    test_fallback_counted();
     /* Lazy initialisation with defaults, after a shutdown. */
     void *p = sp_tcache_alloc(10);
     ok(p != NULL, "first alloc after shutdown initialises again (defaults)");
