@@ -59,6 +59,61 @@ TRACK_INTERNAL static uint64_t peek(const void *addr) {
     return v;
 }
 
+/* Write allocator metadata the way a corrupting caller would, without tripping ASan. */
+TRACK_INTERNAL static void poke(void *addr, uint64_t v) {
+    track_enter();
+    *(volatile uint64_t *)addr = v;
+    track_leave();
+}
+
+/* A live block whose header keeps its tag (right for its address) but says 128 bytes instead
+ * of 256: the block that size points to is inside the payload, whose first word (zero) does
+ * not link back. Every call must refuse it as SP_ERR_INVALID_POINTER; nothing is freed. */
+static void test_neighbour_check(void) {
+    char *victim = sp_tlsf_malloc(heap, 256);
+    if (!ok(victim != NULL, "a 256-byte block for the neighbour check")) return;
+    memset(victim, 0, 256);
+    uint64_t real = peek(victim - 8); /* tag | size | flags */
+    uint64_t forged = (real & ~(uint64_t)0xFFFFFFFFFFF0) | 128;
+    ok((real & 0xFFFFFFFFFFF0) == 256 && forged != real,
+       "the header's size word reads 256 (%#llx), forged to 128 with its tag kept",
+       (unsigned long long)real);
+    sp_tlsf_status before;
+    sp_tlsf_status_get(heap, &before);
+    poke(victim - 8, forged);
+    ts_log_reset();
+    const char *why = NULL;
+    sp_result verdict = sp_tlsf_check_ptr(heap, victim, &why);
+    bool caught = verdict == SP_ERR_INVALID_POINTER;
+    ok(caught && ts_logged.count == 0, "check_ptr(right tag, neighbour not linking back): %s (%s)",
+       sp_result_name(verdict), why ? why : "no reason");
+    /* Freeing a header that passed would corrupt the heap: only when the check caught it. */
+    if (caught) {
+        sp_tlsf_free(heap, victim);
+        ok(ts_logged.count == 1 && ts_logged.last_id == SP_ERR_INVALID_POINTER &&
+               ts_logged.last_addr == victim,
+           "free of it: SP_ERR_INVALID_POINTER reported (\"%s\")", ts_logged.last_message);
+    } else {
+        ok(0, "free of it: not tried, the check let the forged header pass");
+    }
+    poke(victim - 8, real);
+    ok(unchanged(&before), "header restored: heap consistent, nothing was freed");
+    sp_tlsf_free(heap, victim);
+}
+
+/* A pool laid over the heap's own control structure (memory..memory + control size, just
+ * below the first pool, overlapping no pool) is refused and changes nothing. */
+static void test_pool_over_control(void) {
+    sp_tlsf_status before;
+    sp_tlsf_status_get(heap, &before);
+    ts_log_reset();
+    sp_result r = sp_tlsf_add_pool(heap, heap, sp_tlsf_control_size());
+    ok(r == SP_ERR_INVALID_ARG && ts_logged.count == 1 && ts_logged.last_id == SP_ERR_INVALID_ARG &&
+           unchanged(&before),
+       "add_pool over the heap's control structure: %s, reported, heap unchanged",
+       sp_result_name(r));
+}
+
 static void *mem;
 static char *live, *big, *freed_alone, *freed_merged;
 
@@ -120,6 +175,8 @@ static void test_reported(void) {
        "sizes that overflow: NULL, heap unchanged");
     ok(ts_logged.count == 0, "running out is not misuse: nothing logged");
     ok(sp_tlsf_usable_size(heap, live) == 64, "the live block survived all of it");
+    test_neighbour_check();
+    test_pool_over_control();
     ts_log_release();
 }
 
