@@ -144,7 +144,8 @@ ok $([[ -z $extra ]] && grep -qx malloc <<<"$names"; echo $?) "exports only the 
 
 # 8. The error conventions: errno and return values for requests that cannot be served and
 #    alignments of a form the call refuses (answers of glibc's kind; the program, built
-#    without the preload, prints what differs).
+#    without the preload, prints what differs); and the alignments memalign, valloc and
+#    pvalloc give (valloc, pvalloc: a page).
 cat >"$TMP/errs.c" <<'C'
 #define _GNU_SOURCE
 #include <errno.h>
@@ -152,6 +153,7 @@ cat >"$TMP/errs.c" <<'C'
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <unistd.h>
 static int bad;
 static void want(const char *what, int got_null, int err, int want_err) {
     if (!got_null || err != want_err) {
@@ -177,6 +179,20 @@ int main(void) {
     p = memalign(48, 100); /* rounded up to 64 */
     if (!p || (uintptr_t)p % 64 || malloc_usable_size(p) < 100) { printf("memalign(48)\n"); bad = 1; }
     free(p);
+    /* valloc and pvalloc: page-aligned, pvalloc's size rounded up to whole pages; eight of
+     * each kept at once, so that no run of luck passes a smaller alignment. */
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    void *v[8], *pv[8];
+    for (int i = 0; i < 8; i++) {
+        v[i] = valloc(100 + 16 * i);
+        pv[i] = pvalloc(100 + 16 * i);
+        if (!v[i] || (uintptr_t)v[i] % page) { printf("valloc(%d): %p\n", 100 + 16 * i, v[i]); bad = 1; }
+        if (!pv[i] || (uintptr_t)pv[i] % page || malloc_usable_size(pv[i]) < page) {
+            printf("pvalloc(%d): %p\n", 100 + 16 * i, pv[i]);
+            bad = 1;
+        }
+    }
+    for (int i = 0; i < 8; i++) { free(v[i]); free(pv[i]); }
     p = malloc(100);
     errno = 0;
     if (realloc(p, 0) != NULL || errno) { printf("realloc(p, 0): not NULL, or errno set\n"); bad = 1; }
@@ -187,7 +203,7 @@ C
 gcc -O1 -o "$TMP/errs" "$TMP/errs.c" 2>"$TMP/errs.log"
 fresh
 got=$(under "$TMP/errs")
-ok $([[ $got == "conventions ok" ]] && served; echo $?) "error conventions (EINVAL, ENOMEM) of the malloc family: '${got//$'\n'/; }'"
+ok $([[ $got == "conventions ok" ]] && served; echo $?) "error conventions (EINVAL, ENOMEM) and alignments (memalign, valloc, pvalloc) of the malloc family: '${got//$'\n'/; }'"
 
 # 9. Nothing reported misuse along the way, in processes the library served: every test that
 #    ran programs (all but 7) had one that reported its high water (without that, an absent
