@@ -35,9 +35,11 @@
  * Code running on a fiber must not keep the address of a thread-local variable across a switch
  * (nor anything derived from the thread: errno, a cached thread id, a thread cache pointer).
  * sp_fiber_switch is an out-of-line call the compiler cannot see through, but compilers still
- * keep TLS addresses in callee-saved registers across such calls (gcc 12 and clang 14 on x86-64
- * under -fPIC; aarch64 clang 14 even without): read
- * thread-locals after a switch through a function that is not inlined into the switching one.
+ * keep a thread-local's address in a callee-saved register across such calls where they
+ * computed it once (a general-dynamic thread-local under -fPIC with gcc 12 and clang 14 on
+ * x86-64; any thread-local with clang 14 on aarch64; an address taken before the call): read
+ * thread-locals after a switch through a function that is not inlined into the switching one,
+ * or through SP_TLS_FRESH (sp_platform.h).
  *
  * Floating-point control state (x86-64 MXCSR control bits and x87 control word, aarch64 FPCR) is
  * per fiber: a fresh fiber starts with the acquiring thread's, and a mode set on a fiber stays

@@ -143,10 +143,14 @@ void sp_mutex_unlock(sp_mutex *m);
 /* SP_TLS_FRESH(var): the address of the calling thread's instance of `var`, a thread-local
  * declared with tls_model("initial-exec"), computed anew where it is written: an asm volatile
  * with a memory clobber, which compilers neither merge with another nor move across a call.
- * Plain TLS addresses are kept in registers across calls (gcc 12 and clang 14 on x86-64 under
- * -fPIC, aarch64 clang 14 even without), which is wrong after a fiber switch that resumed on
- * another thread. Cost: one instruction more than a plain
- * thread-local read (x86-64: the %fs:0 load; aarch64: mrs + GOT load). Undefined on other
+ * A thread-local's address that a compiler computes once is kept in a register across calls:
+ * a general-dynamic thread-local (the model -fPIC code gets by default: one __tls_get_addr
+ * call, its result reused) with gcc 12 and clang 14 on x86-64, any thread-local on aarch64
+ * with clang 14, and an address taken before a call anywhere; that is wrong after a fiber
+ * switch that resumed on another thread. (gcc 12 on x86-64 reloads %fs for each plain read of
+ * an initial-exec thread-local, so there the asm is a guarantee rather than a fix.) Cost: one
+ * instruction more than a plain thread-local read (x86-64: the %fs:0 load; aarch64: mrs + GOT
+ * load). Undefined on other
  * CPUs: callers test `defined(SP_TLS_FRESH)` and use an out-of-line function instead. */
 #if defined(__x86_64__)
 #define SP_TLS_FRESH(var)                                                                          \
