@@ -60,6 +60,9 @@ static void job(sp_fiber *self, void *arg) {
         /* The negative control's accessor: the address of this thread's slot, kept. */
         sp_tcache *kept_before = sp_tcache_tls;
         sp_tcache **kept_slot = &sp_tcache_tls;
+        /* Opaque from here: clang would otherwise compute &sp_tcache_tls afresh after the call
+         * (it knows what the pointer is), which is the fresh accessor, not a kept one. */
+        __asm__ volatile("" : "+r"(kept_slot));
         sp_fiber_switch(self, x->home); /* resumed on the other thread */
         /* Through the kept address: the slot of the thread the fiber left, which still holds
          * that thread's cache - the same value as before (what test 4 counts as stale) and not
