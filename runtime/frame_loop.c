@@ -8,9 +8,52 @@ sp_counter *sp_frame_counter(void) {
     return rt_up() ? sp_rt.frame_counter : NULL;
 }
 
+/* ---- the frame gate (see runtime.gate_closed) ------------------------------------------ */
+
+/* Count the calling thread in as a frame-counter submitter; while sp_frame_end has the gate
+ * closed, step back out and sleep until it opens. */
+static void gate_enter(void) {
+    for (;;) {
+        atomic_fetch_add(&sp_rt.gate_submitters, 1);
+        if (SP_LIKELY(!atomic_load(&sp_rt.gate_closed))) return;
+        atomic_fetch_sub(&sp_rt.gate_submitters, 1);
+        atomic_fetch_add(&sp_rt.gate_sleepers, 1);
+        while (atomic_load(&sp_rt.gate_closed)) sp_futex_wait((uint32_t *)&sp_rt.gate_closed, 1, 0);
+        atomic_fetch_sub(&sp_rt.gate_sleepers, 1);
+    }
+}
+
+static void gate_leave(void) {
+    atomic_fetch_sub(&sp_rt.gate_submitters, 1);
+}
+
+/* sp_frame_end, before its wait on the frame counter: from here no submit from outside the
+ * frame loop's order raises it; those under way have raised it (or failed) once this returns.
+ * They are short (sp_jobs_submit: a record take, a push). */
+static void gate_close(void) {
+    atomic_store(&sp_rt.gate_closed, 1);
+    while (atomic_load(&sp_rt.gate_submitters)) sp_thread_yield();
+}
+
+/* Once the buffers are flipped (or sp_frame_end gives up): the submits that waited go on,
+ * their jobs in the next frame. */
+static void gate_open(void) {
+    atomic_store(&sp_rt.gate_closed, 0);
+    if (atomic_load(&sp_rt.gate_sleepers)) sp_futex_wake((uint32_t *)&sp_rt.gate_closed, INT32_MAX);
+}
+
 sp_result sp_submit(const sp_job_desc *jobs, uint32_t count, sp_counter *counter) {
     if (!rt_is_up("sp_submit")) return SP_ERR_SHUTDOWN;
-    return sp_jobs_submit(sp_rt.jobs, jobs, count, counter ? counter : sp_rt.frame_counter);
+    if (!counter) counter = sp_rt.frame_counter;
+    /* The main thread's submits are ordered with its own sp_frame_end, and a job's raise the
+     * frame counter before the job itself ends (so a frame-counter job's children are waited
+     * for with it). Other threads pass the gate. */
+    if (counter != sp_rt.frame_counter || rt_on_worker())
+        return sp_jobs_submit(sp_rt.jobs, jobs, count, counter);
+    gate_enter();
+    sp_result r = sp_jobs_submit(sp_rt.jobs, jobs, count, counter);
+    gate_leave();
+    return r;
 }
 
 /* Between frames with no job live; its callers have checked for the main thread. Asked once
@@ -110,8 +153,12 @@ sp_result sp_frame_end(void) {
     }
     sp_frame_stats st = {.frame = sp_rt.frame};
     uint64_t t_wait = sp_time_ns();
+    gate_close(); /* no frame-counter job from another thread starts past the wait below */
     r = sp_counter_wait(sp_rt.frame_counter, 0);
-    if (r != SP_OK) return r; /* logged by the scheduler; the frame stays open */
+    if (r != SP_OK) {
+        gate_open();
+        return r; /* logged by the scheduler; the frame stays open */
+    }
     frame_counter_check("sp_frame_end");
     st.wait_ns = sp_time_ns() - t_wait;
     st.jobs_run = sp_jobs_run_count(sp_rt.jobs) - sp_rt.jobs_run_t0;
@@ -119,6 +166,7 @@ sp_result sp_frame_end(void) {
 
     sp_frame_buffer_status closed;
     sp_frame_arena_advance(sp_runtime_g.arena, &closed);
+    gate_open();
     st.arena_bytes = closed.bytes_used;
     st.arena_peak = closed.peak;
     st.arena_chunks = closed.chunks;

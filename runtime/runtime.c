@@ -55,6 +55,10 @@ sp_result rt_main_only(const char *call) {
     return SP_ERR_INVALID_ARG;
 }
 
+bool rt_on_worker(void) {
+    return jobs_worker_of(sp_rt.jobs) != NULL;
+}
+
 sp_result rt_frame_loop_only(const char *call) {
     sp_result r = rt_main_only(call);
     if (r != SP_OK || SP_LIKELY(!sp_rt.in_between)) return r;

@@ -70,6 +70,19 @@ typedef struct runtime {
     _Atomic uint32_t own_attached;
     _Atomic uint64_t tidy_epoch; /* bumped by sp_frame_end: workers tidy when they go idle */
 
+    /* The frame gate: frame-counter submits from threads outside the frame loop's order
+     * (neither the main thread nor a worker) against sp_frame_end's buffer flip. A Dekker
+     * handshake (sequentially consistent), like attach against shutdown: such a submit counts
+     * itself in `gate_submitters`, then reads `gate_closed`; sp_frame_end sets `gate_closed`,
+     * then waits for `gate_submitters` to drain before it waits on the frame counter. So
+     * either the submit raised the frame counter before that wait began (its jobs belong to
+     * the closing frame) or it saw the gate closed, stepped back out and sleeps on the
+     * `gate_closed` futex (counted in `gate_sleepers`, so that opening wakes only when
+     * someone sleeps) until the buffers are flipped (its jobs belong to the next frame). */
+    _Atomic uint32_t gate_closed;
+    _Atomic uint32_t gate_submitters;
+    _Atomic uint32_t gate_sleepers;
+
     /* Frame loop: written by the main thread only (in_frame and frame atomically: sp_status_get
      * reads them from any thread). */
     bool in_frame;
@@ -109,6 +122,10 @@ SP_HIDDEN bool rt_is_up(const char *call);
 SP_HIDDEN void rt_quiescent(void);
 /* Wake the reclaimer if anything was retired. */
 SP_HIDDEN void rt_reclaim_kick(void);
+
+/* Whether the calling thread is one of the runtime scheduler's workers (the main thread is
+ * worker 0), in a job or not. */
+SP_HIDDEN bool rt_on_worker(void);
 
 /* Handle heap's compaction gate: the main thread, outside frames, no job in flight. */
 SP_HIDDEN bool rt_may_compact(void *user);

@@ -46,7 +46,10 @@
  *                                                            thread during a frame
  *   sp_submit, sp_persistent_alloc, sp_retire,               any job, the main thread or an
  *   sp_region_of, sp_scheduler, sp_handles, sp_frames,       attached thread, any time
- *   sp_frame_counter                                         between init and shutdown
+ *   sp_frame_counter                                         between init and shutdown (an
+ *                                                            attached thread's sp_submit on
+ *                                                            the frame counter may wait
+ *                                                            while a frame closes: see it)
  *   sp_thread_attach, sp_thread_detach,                      a thread that is not a worker;
  *   sp_thread_quiescent, sp_thread_offline,                  attach/detach in pairs; an
  *   sp_thread_online                                         attach racing sp_shutdown
@@ -57,8 +60,11 @@
  *                                                            lag by a frame)
  * Frame arena memory must not be allocated while sp_frame_end flips the buffers: jobs on
  * counters of your own that outlive a frame may use the thread caches and the handle heap,
- * not the arena. Handle-heap compaction in sp_frame_end waits for a later frame if a job is
- * live when it would start (sp_jobs_idle, checked once: see attached threads above).
+ * not the arena, and neither may the frame-counter jobs they or the scheduler's hooks submit
+ * (such a submit is not held back while a frame closes, see sp_submit: only the frame
+ * counter's own jobs' submits are ordered with the flip). Handle-heap compaction in sp_frame_end
+ * waits for a later frame if a job is live when it would start (sp_jobs_idle, checked once: see
+ * attached threads above).
  *
  * Errors: calls before sp_init or after sp_shutdown, sp_init twice and sp_shutdown twice are
  * logged (SP_ERR_SHUTDOWN / SP_ERR_INVALID_ARG) and return an error or NULL; they never abort.
@@ -275,8 +281,19 @@ static inline void *sp_arena_aligned_alloc(size_t align, size_t size) {
 sp_counter *sp_frame_counter(void);
 
 /* sp_jobs_submit on the runtime's scheduler; a NULL counter means the frame counter, so
- * sp_frame_end waits for these jobs. Returns what sp_jobs_submit returns, SP_ERR_SHUTDOWN
- * before init. */
+ * sp_frame_end waits for these jobs. A frame-counter submit from a thread that is not one of
+ * the runtime's (an attached thread, or one that never attached) may wait while a frame
+ * closes: from the start of sp_frame_end's wait for the frame's jobs until the arena has
+ * moved to the next buffer it sleeps, and its jobs then belong to the next frame (one made
+ * before that wait began belongs to the closing frame, which waits for it). So that the jobs
+ * may use the arena: without the wait they could run while sp_frame_end flips its buffers.
+ * A frame's jobs must therefore not wait for something such a thread does only after a
+ * frame-counter submit (the frame would never close). The main thread and the runtime's
+ * workers (jobs, the scheduler's hooks) never wait here (a job's submit raises the counter
+ * before the job ends), nor do other counters' submits, nor is the frame counter raised by
+ * other means (sp_jobs_submit, sp_counter_add) held back: from other threads those are not
+ * ordered with the flip. Cost from such a thread: two atomic adds and a load more. Returns
+ * what sp_jobs_submit returns, SP_ERR_SHUTDOWN before init. */
 sp_result sp_submit(const sp_job_desc *jobs, uint32_t count, sp_counter *counter);
 
 /* Open a frame (main thread, outside jobs). Returns SP_OK, SP_ERR_SHUTDOWN before init,

@@ -9,6 +9,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "runtime_internal.h" /* white box: the frame gate */
 #include "spindle.h"
 #include "tcache_heap.h" /* white box: the fallback cache's lock */
 #include "test_support.h"
@@ -1071,6 +1072,73 @@ static void test_caches_before_init(void) {
     if (r == SP_OK) sp_shutdown();
 }
 
+/* ---- an attached thread's frame-counter submit while a frame closes ---------------------- */
+
+static atomic_int late_buffer = -1, late_result = -99;
+static atomic_bool late_saw_closed;
+
+static void late_job(void *arg) {
+    (void)arg;
+    uint8_t *p = sp_arena_alloc(64);
+    atomic_store(&late_buffer, p ? (int)sp_frame_arena_buffer_of(sp_frames(), p) : -2);
+}
+
+/* A frame job that keeps sp_frame_end waiting (the gate closed) until the attached thread has
+ * seen the gate closed, and 50 ms more, in which its submit is under way. */
+static void holder_job(void *arg) {
+    (void)arg;
+    for (uint64_t t0 = sp_time_ns();
+         !atomic_load(&late_saw_closed) && sp_time_ns() - t0 < 5000000000u;)
+        sp_thread_yield();
+    nanosleep(&(struct timespec){.tv_nsec = 50000000}, NULL);
+}
+
+static void *late_submitter(void *arg) {
+    (void)arg;
+    sp_thread_attach();
+    for (uint64_t t0 = sp_time_ns();
+         !atomic_load(&sp_rt.gate_closed) && sp_time_ns() - t0 < 5000000000u;)
+        sp_thread_yield();
+    atomic_store(&late_saw_closed, true);
+    sp_job_desc j = {.fn = late_job, .name = "late"};
+    atomic_store(&late_result, sp_submit(&j, 1, NULL));
+    sp_thread_detach();
+    return NULL;
+}
+
+/* A frame-counter submit an attached thread makes once sp_frame_end has begun to close the
+ * frame waits until the arena has moved on: its job belongs to the next frame (allocates from
+ * that frame's buffer), never to the one whose buffers are being flipped. */
+static void test_attached_submit_next_frame(void) {
+    sp_desc d = small_desc(1);
+    if (sp_init(&d) != SP_OK) {
+        ok(0, "init");
+        return;
+    }
+    for (int f = 0; f < 3; f++) { /* frame 3 is the one closed under the attached submit */
+        sp_frame_begin();
+        sp_frame_end();
+    }
+    sp_status st;
+    sp_status_get(&st);
+    uint64_t closing = st.frame;
+    pthread_t t;
+    pthread_create(&t, NULL, late_submitter, NULL);
+    sp_job_desc holder = {.fn = holder_job, .name = "holder"};
+    sp_frame_begin();
+    sp_submit(&holder, 1, NULL);
+    sp_frame_end();
+    pthread_join(t, NULL); /* its submit returned */
+    sp_frame_begin();
+    sp_frame_end(); /* waits for the late job */
+    int want = (int)((closing + 1) % 2), got = atomic_load(&late_buffer);
+    ok(atomic_load(&late_saw_closed) && atomic_load(&late_result) == SP_OK && got == want,
+       "an attached thread's frame-counter job submitted while frame %llu closed ran in frame "
+       "%llu (arena buffer %d; the closing frame's is %d)",
+       (unsigned long long)closing, (unsigned long long)closing + 1, got, 1 - want);
+    is_int(sp_shutdown(), SP_OK, "shutdown");
+}
+
 int main(void) {
     test_before_init();
     test_regions();
@@ -1093,5 +1161,6 @@ int main(void) {
     test_exit_attached();
     test_desc_sizes();
     test_caches_before_init();
+    test_attached_submit_next_frame();
     return done();
 }

@@ -6,6 +6,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <string.h>
+#include <time.h>
 
 #include "spindle.h"
 #include "test_support.h"
@@ -116,7 +117,78 @@ static void test_attach_races_shutdown(void) {
        atomic_load(&race_ok), atomic_load(&race_refused), refusals);
 }
 
+/* Frame-counter jobs from an attached thread against the buffer flip: the thread submits jobs
+ * that fill arena blocks with 0xAA at random moments while the main thread runs frames, each
+ * filling blocks of its own with the frame's number and checking the last frame's (valid
+ * through this one with 2 buffers). A job that ran while sp_frame_end flipped the buffers
+ * would allocate from a buffer being reclaimed: TSan reports the race on the arena's state
+ * (every run, in CI's concurrency suite); the contents check catches the damage it may do
+ * to the main thread's blocks only now and then. */
+enum { FLIP_BLOCKS = 64, FLIP_BYTES = 512 };
+static atomic_long flip_submitted, flip_ran;
+
+static void flip_job(void *arg) {
+    (void)arg;
+    for (int i = 0; i < 4; i++) {
+        uint8_t *p = sp_arena_alloc(1024);
+        if (p) memset(p, 0xAA, 1024);
+    }
+    atomic_fetch_add(&flip_ran, 1);
+}
+
+static void *flip_submitter(void *arg) {
+    (void)arg;
+    if (sp_thread_attach() != SP_OK) return NULL;
+    uint32_t x = 1;
+    while (!atomic_load(&stop)) {
+        sp_job_desc j = {.fn = flip_job, .name = "attached"};
+        if (sp_submit(&j, 1, NULL) == SP_OK) atomic_fetch_add(&flip_submitted, 1);
+        x = x * 1103515245u + 12345u;
+        nanosleep(&(struct timespec){.tv_nsec = (x >> 8) % 50000}, NULL);
+    }
+    sp_thread_detach();
+    return NULL;
+}
+
+static void test_attached_frame_jobs(void) {
+    sp_desc d = ts_small_desc(1, 16);
+    d.frame_chunk = 4096; /* small chunks: many takes, each a chance to meet the flip */
+    if (sp_init(&d) != SP_OK) {
+        ok(0, "init");
+        return;
+    }
+    atomic_store(&stop, false);
+    pthread_t t;
+    pthread_create(&t, NULL, flip_submitter, NULL);
+    uint8_t *prev[FLIP_BLOCKS] = {0};
+    uint32_t frames = 3000;
+    long bad = 0;
+    for (uint32_t f = 0; f < frames; f++) {
+        sp_frame_begin();
+        for (int i = 0; i < FLIP_BLOCKS && f > 0; i++)
+            if (prev[i] && !ts_filled(prev[i], FLIP_BYTES, (uint8_t)(f - 1))) bad++;
+        for (int i = 0; i < FLIP_BLOCKS; i++) {
+            prev[i] = sp_arena_alloc(FLIP_BYTES);
+            if (prev[i]) memset(prev[i], (uint8_t)f, FLIP_BYTES);
+        }
+        sp_frame_end();
+    }
+    atomic_store(&stop, true);
+    pthread_join(t, NULL);
+    sp_frame_begin(); /* the last submits' jobs */
+    sp_frame_end();
+    is_int((int)bad, 0,
+           "%u frames against %ld frame-counter jobs of an attached thread allocating from the "
+           "arena: no block of the main thread's written over",
+           frames, atomic_load(&flip_submitted));
+    ok(atomic_load(&flip_ran) == atomic_load(&flip_submitted) && atomic_load(&flip_ran) > 0,
+       "every one of them ran within a frame (%ld)", atomic_load(&flip_ran));
+    is_int(sp_shutdown(), SP_OK, "shutdown");
+    atomic_store(&stop, false);
+}
+
 int main(void) {
+    test_attached_frame_jobs();
     sp_desc d = ts_small_desc(1, 64);
     if (sp_init(&d) != SP_OK) {
         ok(0, "init");
