@@ -204,15 +204,19 @@ static void hook_job_begin(void *user, uint32_t index, const char *name) {
     (void)user;
     USER_HOOK(job_begin, index, name);
 }
+/* The main thread (worker 0) reports its quiescent states in sp_frame_end only, not after the
+ * jobs it runs in a wait nor while it sleeps there: it may hold an RCU-protected pointer
+ * across its own waits within a frame. Staying online in a wait only delays reclamation
+ * (the reclaimer's grace period), which nothing in a frame waits for. */
 static void hook_job_end(void *user, uint32_t index, const char *name) {
     (void)user;
     USER_HOOK(job_end, index, name);
-    rt_quiescent();
+    if (!rt_main) rt_quiescent();
 }
 static void hook_job_park(void *user, uint32_t index, const char *name) {
     (void)user;
     USER_HOOK(job_park, index, name);
-    rt_quiescent();
+    if (!rt_main) rt_quiescent();
 }
 static void hook_job_resume(void *user, uint32_t index, const char *name) {
     (void)user;
@@ -229,11 +233,11 @@ static void hook_worker_sleep(void *user, uint32_t index) {
         tls_tidy_epoch = epoch;
         sp_tcache_tidy();
     }
-    qsbr_offline();
+    if (!rt_main) qsbr_offline(); /* the main thread stays online (see hook_job_end) */
 }
 static void hook_worker_wake(void *user, uint32_t index) {
     (void)user;
-    qsbr_online();
+    if (!rt_main) qsbr_online();
     USER_HOOK(worker_wake, index);
 }
 static void hook_fiber_switch(void *user, uint32_t index) {

@@ -17,9 +17,14 @@
  *
  * Quiescent states (liburcu QSBR, for structures retired with sp_retire, e.g. the handle
  * table after it grew): worker threads report one after every job and whenever a job parks,
- * go offline while they sleep, and the main thread reports one in every sp_frame_end. A
- * runtime thread (the reclaimer, started by sp_init) frees what was retired once every
- * registered thread has passed one; nothing waits for it in a frame.
+ * go offline while they sleep, and the main thread reports one in every sp_frame_end and
+ * nowhere else: not after the jobs it runs in a wait, and it stays online while it sleeps
+ * in one, so it may hold an RCU-protected pointer from one sp_frame_end to the next, across
+ * its own waits (sp_counter_wait, sp_parallel_for). A long wait on the main thread (a
+ * loading screen outside frames, say) therefore holds reclamation back until the next
+ * sp_frame_end (or sp_shutdown); only memory waits for it. A runtime thread (the reclaimer,
+ * started by sp_init) frees what was retired once every registered thread has passed one;
+ * nothing waits for it in a frame.
  *
  * Threads that are not workers: sp_thread_attach gives one a thread cache and registers it for
  * QSBR; it reports quiescent states with sp_thread_quiescent now and then (a thread that never
@@ -306,8 +311,8 @@ sp_result sp_frame_begin(void);
  * round, let the thread caches give back surplus spans (every 64th frame also the scheduler
  * the spare fibers no wait used over those 64 frames: sp_jobs_trim, at most 64 stacks, about
  * 2 us each), run the between-frames works in registration order and then handle-heap
- * compaction within desc.between_budget_ns, report a quiescent state, and close the frame's
- * statistics record. Returns SP_OK,
+ * compaction within desc.between_budget_ns, report the main thread's quiescent state (its
+ * only one: see the top of this file), and close the frame's statistics record. Returns SP_OK,
  * SP_ERR_SHUTDOWN before init, SP_ERR_INVALID_ARG (logged) without an open frame, from a job,
  * or from its own between-frames step. */
 sp_result sp_frame_end(void);

@@ -1072,6 +1072,89 @@ static void test_caches_before_init(void) {
     if (r == SP_OK) sp_shutdown();
 }
 
+/* ---- the main thread's quiescent states ----------------------------------------------- */
+
+static atomic_bool held_freed, blocker_entered, blocker_release;
+static void *held;
+
+static void mark_freed(void *p) {
+    free(p);
+    atomic_store(&held_freed, true);
+}
+
+/* Keeps the reclaimer busy (inside a free) until the test lets it go. */
+static void blocking_free(void *p) {
+    atomic_store(&blocker_entered, true);
+    for (uint64_t t0 = sp_time_ns();
+         !atomic_load(&blocker_release) && sp_time_ns() - t0 < 10000000000u;)
+        nanosleep(&(struct timespec){.tv_nsec = 1000000}, NULL);
+    free(p);
+}
+
+static void retire_held_job(void *arg) {
+    (void)arg;
+    sp_retire(held, mark_freed);
+}
+
+static void nap_job(void *arg) {
+    (void)arg;
+    nanosleep(&(struct timespec){.tv_nsec = 30000000}, NULL);
+}
+
+/* The main thread holds an object it read within a frame while a job retires it, and then
+ * waits on a counter: with no worker it runs jobs in that wait (each job's end was once a
+ * quiescent state), with one it sleeps there while the worker runs a 30 ms job (it once went
+ * offline). The reclaimer is in a grace period for the object meanwhile. The object must stay
+ * until the frame's sp_frame_end, and be freed after it. */
+static void test_main_quiescent(uint32_t workers) {
+    sp_desc d = small_desc(workers);
+    if (sp_init(&d) != SP_OK) {
+        ok(0, "init");
+        return;
+    }
+    atomic_store(&held_freed, false);
+    atomic_store(&blocker_entered, false);
+    atomic_store(&blocker_release, false);
+    sp_frame_begin();
+    sp_retire(malloc(16), blocking_free);
+    sp_frame_end();
+    for (uint64_t t0 = sp_time_ns();
+         !atomic_load(&blocker_entered) && sp_time_ns() - t0 < 5000000000u;) {
+        sp_frame_begin();
+        sp_frame_end();
+    }
+    sp_frame_begin();
+    held = malloc(64); /* published somewhere; the main thread reads it */
+    sp_counter *c = sp_counter_create(sp_scheduler(), "mine");
+    sp_job_desc retire = {.fn = retire_held_job, .name = "retire"};
+    sp_submit(&retire, 1, c);
+    sp_counter_wait(c, 0);
+    /* The reclaimer finishes the blocking free, finds the object and waits for a grace
+     * period for it. */
+    atomic_store(&blocker_release, true);
+    nanosleep(&(struct timespec){.tv_nsec = 50000000}, NULL);
+    sp_job_desc naps[4];
+    for (int i = 0; i < 4; i++)
+        naps[i] = (sp_job_desc){.fn = nap_job, .name = "nap", .pinned = workers > 0, .worker = 1};
+    sp_submit(naps, workers ? 1 : 4, c);
+    sp_counter_wait(c, 0);
+    nanosleep(&(struct timespec){.tv_nsec = 50000000}, NULL);
+    bool early = atomic_load(&held_freed);
+    sp_frame_end();
+    for (uint64_t t0 = sp_time_ns();
+         !atomic_load(&held_freed) && sp_time_ns() - t0 < 5000000000u;) {
+        sp_frame_begin();
+        sp_frame_end();
+    }
+    ok(atomic_load(&blocker_entered) && !early,
+       "%u workers: an object the main thread holds within a frame is not freed while it %s a "
+       "wait",
+       workers, workers ? "sleeps in" : "runs jobs in");
+    ok(atomic_load(&held_freed), "... and is freed after the frame's sp_frame_end");
+    sp_counter_destroy(c);
+    is_int(sp_shutdown(), SP_OK, "shutdown");
+}
+
 /* ---- an attached thread's frame-counter submit while a frame closes ---------------------- */
 
 static atomic_int late_buffer = -1, late_result = -99;
@@ -1162,5 +1245,7 @@ int main(void) {
     test_desc_sizes();
     test_caches_before_init();
     test_attached_submit_next_frame();
+    test_main_quiescent(0);
+    test_main_quiescent(1);
     return done();
 }
