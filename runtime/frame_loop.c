@@ -197,6 +197,7 @@ sp_result sp_frame_end(void) {
 }
 
 sp_result sp_frame_stats_last(sp_frame_stats *out) {
+    if (!out) return sp_misuse(SP_ERR_INVALID_ARG, "sp_frame_stats_last", out, "out is NULL");
     if (!rt_is_up("sp_frame_stats_last")) return SP_ERR_SHUTDOWN;
     if (sp_rt.frame == 0) return SP_ERR_LIMIT; /* no frame closed yet */
     *out = sp_rt.last;

@@ -696,6 +696,10 @@ sp_handle_heap *sp_handles(void) {
 }
 
 void sp_status_get(sp_status *out) {
+    if (!out) {
+        sp_misuse(SP_ERR_INVALID_ARG, "sp_status_get", out, "out is NULL");
+        return;
+    }
     memset(out, 0, sizeof *out);
     out->initialised = rt_up();
     if (!out->initialised) return;

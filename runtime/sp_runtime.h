@@ -231,6 +231,9 @@ void sp_thread_quiescent(void);
 void sp_thread_offline(void);
 void sp_thread_online(void);
 
+/* The runtime's figures into *out (initialised false, the rest zero, when it is not up). Any
+ * thread. A NULL out is misuse (SP_ERR_INVALID_ARG reported, nothing written; debug builds
+ * abort). */
 void sp_status_get(sp_status *out);
 
 /* ---- memory ---------------------------------------------------------------------------- */
@@ -317,7 +320,9 @@ sp_result sp_frame_begin(void);
  * or from its own between-frames step. */
 sp_result sp_frame_end(void);
 
-/* The record of the last closed frame. SP_ERR_LIMIT if no frame was closed yet. */
+/* The record of the last closed frame into *out. Returns SP_OK, SP_ERR_LIMIT if no frame was
+ * closed yet, SP_ERR_SHUTDOWN (logged) when the runtime is not up; a NULL out is misuse
+ * (SP_ERR_INVALID_ARG; debug builds abort). */
 sp_result sp_frame_stats_last(sp_frame_stats *out);
 
 /* Between-frames work: fn(user, budget_ns) runs in sp_frame_end on the main thread with the

@@ -1072,6 +1072,53 @@ static void test_caches_before_init(void) {
     if (r == SP_OK) sp_shutdown();
 }
 
+/* ---- NULL out pointers ------------------------------------------------------------------ */
+
+static void status_null(void *arg) {
+    (void)arg;
+    sp_status_get(NULL);
+}
+
+static void stats_null(void *arg) {
+    (void)arg;
+    sp_frame_stats_last(NULL);
+}
+
+/* sp_status_get and sp_frame_stats_last with a NULL out: misuse, reported naming the call,
+ * nothing written; debug builds abort with that report. */
+static void test_null_out(void) {
+    sp_desc d = small_desc(0);
+    if (sp_init(&d) != SP_OK) {
+        ok(0, "init");
+        return;
+    }
+    sp_frame_begin();
+    sp_frame_end();
+    ts_log_capture();
+    sp_status_get(NULL);
+    ok(ts_logged.count == 1 && ts_logged.last_id == SP_ERR_INVALID_ARG &&
+           !strcmp(ts_logged.last_call, "sp_status_get"),
+       "sp_status_get(NULL): reported as misuse (%s)", ts_logged.last_message);
+    ts_log_reset();
+    sp_result r = sp_frame_stats_last(NULL);
+    ok(r == SP_ERR_INVALID_ARG && ts_logged.count == 1 &&
+           !strcmp(ts_logged.last_call, "sp_frame_stats_last"),
+       "sp_frame_stats_last(NULL): SP_ERR_INVALID_ARG, reported as misuse");
+    ts_log_release();
+    sp_frame_stats st;
+    ok(sp_frame_stats_last(&st) == SP_OK && st.frame == 0, "... the record is still there");
+    if (SP_DEBUG >= 1) {
+        ok(ts_dies(status_null, NULL, "sp_status_get", "out is NULL"),
+           "debug build: sp_status_get(NULL) aborts, naming the call");
+        ok(ts_dies(stats_null, NULL, "sp_frame_stats_last", "out is NULL"),
+           "debug build: sp_frame_stats_last(NULL) aborts, naming the call");
+    } else {
+        ok(1, "# SKIP fatal misuse: SP_DEBUG 0");
+        ok(1, "# SKIP fatal misuse: SP_DEBUG 0");
+    }
+    is_int(sp_shutdown(), SP_OK, "shutdown");
+}
+
 /* ---- the main thread's quiescent states ----------------------------------------------- */
 
 static atomic_bool held_freed, blocker_entered, blocker_release;
@@ -1247,5 +1294,6 @@ int main(void) {
     test_attached_submit_next_frame();
     test_main_quiescent(0);
     test_main_quiescent(1);
+    test_null_out();
     return done();
 }
