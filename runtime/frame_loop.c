@@ -165,7 +165,7 @@ sp_result sp_frame_end(void) {
     __atomic_store_n(&sp_rt.in_frame, false, __ATOMIC_RELAXED);
 
     sp_frame_buffer_status closed;
-    sp_frame_arena_advance(sp_runtime_g.arena, &closed);
+    sp_frame_arena_advance(sp_rt.arena, &closed);
     gate_open();
     st.arena_bytes = closed.bytes_used;
     st.arena_peak = closed.peak;

@@ -367,12 +367,16 @@ static sp_result frames_start(void) {
                         .heap_alloc = arena_heap_alloc,
                         .heap_free = arena_heap_free};
     sp_result err = SP_OK;
-    sp_runtime_g.arena = sp_frame_arena_create(&fd, &err);
-    return sp_runtime_g.arena ? SP_OK : err;
+    sp_rt.arena = sp_frame_arena_create(&fd, &err);
+    /* Debug builds leave the inline path's copy NULL: every sp_arena_alloc then comes through
+     * arena_for_caller, which reports calls from threads the arena is not for. */
+    sp_runtime_g.arena = SP_DEBUG ? NULL : sp_rt.arena;
+    return sp_rt.arena ? SP_OK : err;
 }
 static void frames_stop(void) {
-    sp_frame_arena_destroy(sp_runtime_g.arena);
     sp_runtime_g.arena = NULL;
+    sp_frame_arena_destroy(sp_rt.arena);
+    sp_rt.arena = NULL;
 }
 
 static sp_result handles_start(void) {
@@ -680,16 +684,37 @@ void *sp_persistent_alloc(size_t size, size_t align) {
     return (char *)reg->base + start;
 }
 
-void *sp_arena_not_up(void) {
-    rt_is_up("sp_arena_alloc");
-    return NULL;
+/* The arena for the calling thread's sp_arena_alloc: NULL (logged) before init, and (misuse)
+ * on a thread that is neither the main thread nor one of the runtime's workers, whose
+ * allocations are not ordered with sp_frame_end's buffer flip. */
+static sp_frame_arena *arena_for_caller(const char *call) {
+    if (!rt_is_up(call)) return NULL;
+    if (SP_UNLIKELY(!rt_main && !rt_on_worker())) {
+        sp_misuse(SP_ERR_INVALID_ARG, call, sp_rt.arena,
+                  "called from %s: the frame arena is for jobs and the main thread (a buffer "
+                  "may be reclaimed under other threads); use the thread caches",
+                  tls_attached ? "an attached thread" : "a thread that is not the runtime's");
+        return NULL;
+    }
+    return sp_rt.arena;
+}
+
+/* The inline paths' way out: before init and, in debug builds, every call. */
+void *sp_arena_alloc_slow(size_t size) {
+    sp_frame_arena *a = arena_for_caller("sp_arena_alloc");
+    return a ? sp_frame_alloc(a, size) : NULL;
+}
+
+void *sp_arena_aligned_alloc_slow(size_t align, size_t size) {
+    sp_frame_arena *a = arena_for_caller("sp_arena_aligned_alloc");
+    return a ? sp_frame_aligned_alloc(a, align, size) : NULL;
 }
 
 sp_jobs *sp_scheduler(void) {
     return rt_up() ? sp_rt.jobs : NULL;
 }
 sp_frame_arena *sp_frames(void) {
-    return sp_runtime_g.arena;
+    return sp_rt.arena;
 }
 sp_handle_heap *sp_handles(void) {
     return rt_up() ? sp_rt.handles : NULL;

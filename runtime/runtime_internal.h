@@ -43,6 +43,7 @@ typedef struct runtime {
     sp_mutex persist_lock;
 
     sp_jobs *jobs;
+    sp_frame_arena *arena; /* the frame arena (sp_runtime_g.arena: the inline path's copy) */
     sp_counter *frame_counter;
     sp_handle_heap *handles;
     sp_jobs_hooks user_hooks; /* the desc's hooks, called from ours */

@@ -48,7 +48,9 @@
  *                                                            frame's sp_frame_end returns
  *                                                            (the frame counter's, and jobs
  *                                                            they wait for), and the main
- *                                                            thread during a frame
+ *                                                            thread (between frames: for
+ *                                                            the next frame); no other
+ *                                                            thread (debug builds: misuse)
  *   sp_submit, sp_persistent_alloc, sp_retire,               any job, the main thread or an
  *   sp_region_of, sp_scheduler, sp_handles, sp_frames,       attached thread, any time
  *   sp_frame_counter                                         between init and shutdown (an
@@ -258,25 +260,34 @@ sp_jobs *sp_scheduler(void);
 sp_frame_arena *sp_frames(void);
 sp_handle_heap *sp_handles(void);
 
-/* Runtime globals the inline calls below read (not API). */
+/* Runtime globals the inline calls below read (not API). arena is the frame arena while the
+ * runtime is up in release builds (SP_DEBUG 0); NULL otherwise: debug builds of the library
+ * keep it NULL so that every call takes the out-of-line path, which checks the caller. */
 typedef struct sp_runtime_globals {
     sp_frame_arena *arena;
 } sp_runtime_globals;
 extern sp_runtime_globals sp_runtime_g;
 
-/* From this frame's arena buffer: valid until the buffer comes round again (frame + N). Any
- * job or thread during a frame. NULL when the buffer is full in SP_FRAME_OVERFLOW_NULL mode
- * (counted in the frame's statistics), on misuse (see sp_frame_alloc), and before init
- * (logged, SP_ERR_SHUTDOWN). Cost: sp_frame_alloc's plus one predictable branch. */
-void *sp_arena_not_up(void);
+/* From the current frame's arena buffer: valid until the buffer comes round again (frame +
+ * N). For jobs (see the concurrency table: those of the frame counter, or that finish before
+ * the frame's sp_frame_end returns) and the main thread (between frames, outside sp_frame_end,
+ * it allocates for the next frame: the buffers were flipped at the last one). Not for other
+ * threads, attached or not: a buffer may be reclaimed under them; debug builds report such a
+ * call as misuse (SP_ERR_INVALID_ARG, NULL; abort unless sp_misuse_set_fatal(false)), release
+ * builds do not check. NULL when the buffer is full in SP_FRAME_OVERFLOW_NULL mode (counted
+ * in the frame's statistics), on misuse (see sp_frame_alloc), and before init (logged,
+ * SP_ERR_SHUTDOWN). Cost: release builds sp_frame_alloc's plus one predictable branch; debug
+ * builds add a call and the caller check (two thread-local reads). */
+void *sp_arena_alloc_slow(size_t size);
+void *sp_arena_aligned_alloc_slow(size_t align, size_t size);
 static inline void *sp_arena_alloc(size_t size) {
     sp_frame_arena *a = sp_runtime_g.arena;
-    return __builtin_expect(a != NULL, 1) ? sp_frame_alloc(a, size) : sp_arena_not_up();
+    return __builtin_expect(a != NULL, 1) ? sp_frame_alloc(a, size) : sp_arena_alloc_slow(size);
 }
 static inline void *sp_arena_aligned_alloc(size_t align, size_t size) {
     sp_frame_arena *a = sp_runtime_g.arena;
     return __builtin_expect(a != NULL, 1) ? sp_frame_aligned_alloc(a, align, size)
-                                          : sp_arena_not_up();
+                                          : sp_arena_aligned_alloc_slow(align, size);
 }
 
 /* ---- jobs and frames ------------------------------------------------------------------- */

@@ -1119,6 +1119,88 @@ static void test_null_out(void) {
     is_int(sp_shutdown(), SP_OK, "shutdown");
 }
 
+/* ---- who may use the frame arena -------------------------------------------------------- */
+
+typedef struct arena_try {
+    sp_result attach;
+    void *plain, *aligned;
+    int logged_plain, logged_aligned;
+    char call_plain[64];
+} arena_try;
+
+static void *arena_attached(void *arg) {
+    arena_try *t = arg;
+    t->attach = sp_thread_attach();
+    t->plain = sp_arena_alloc(100);
+    t->logged_plain = ts_logged.count;
+    snprintf(t->call_plain, sizeof t->call_plain, "%s", ts_logged.last_call);
+    t->aligned = sp_arena_aligned_alloc(64, 100);
+    t->logged_aligned = ts_logged.count;
+    sp_thread_detach();
+    return NULL;
+}
+
+static void arena_call(void *arg) {
+    (void)arg;
+    sp_arena_alloc(16);
+}
+
+/* On a thread that never attached: the forked child's one thread is this one (a child under
+ * TSan may start no thread). */
+static void *arena_dies(void *arg) {
+    *(bool *)arg = ts_dies(arena_call, NULL, "sp_arena_alloc", "frame arena is for jobs");
+    return NULL;
+}
+
+/* The frame arena is for jobs and the main thread. The main thread between frames allocates
+ * for the next frame (the buffers were flipped at the last sp_frame_end); an attached thread
+ * is not ordered with the flip: debug builds report its call as misuse (NULL), and abort on
+ * it with the misuse policy fatal (here from a thread that never attached). */
+static void test_arena_callers(void) {
+    sp_desc d = small_desc(1);
+    if (sp_init(&d) != SP_OK) {
+        ok(0, "init");
+        return;
+    }
+    sp_frame_begin();
+    sp_frame_end();
+    ts_log_capture();
+    uint8_t *between = sp_arena_alloc(64);
+    int logged = ts_logged.count;
+    sp_status st;
+    sp_status_get(&st);
+    ok(between && logged == 0 &&
+           sp_frame_arena_buffer_of(sp_frames(), between) == (int)(st.frame % 2),
+       "the main thread between frames: served from the next frame's buffer, nothing reported");
+    if (between) memset(between, 0x5c, 64);
+    sp_frame_begin();
+    arena_try t = {.attach = -99};
+    pthread_t th;
+    pthread_create(&th, NULL, arena_attached, &t);
+    pthread_join(th, NULL);
+    sp_frame_end();
+    ts_log_release();
+    ok(between && ts_filled(between, 64, 0x5c), "... and lives through that frame");
+    if (SP_DEBUG >= 1) {
+        ok(t.attach == SP_OK && t.plain == NULL && t.logged_plain == 1 &&
+               !strcmp(t.call_plain, "sp_arena_alloc"),
+           "debug build: sp_arena_alloc on an attached thread is misuse: NULL, reported");
+        ok(t.aligned == NULL && t.logged_aligned == 2 &&
+               !strcmp(ts_logged.last_call, "sp_arena_aligned_alloc") &&
+               ts_logged.last_id == SP_ERR_INVALID_ARG,
+           "debug build: sp_arena_aligned_alloc too (%s)", ts_logged.last_message);
+        bool died = false;
+        pthread_create(&th, NULL, arena_dies, &died);
+        pthread_join(th, NULL);
+        ok(died, "debug build: from a thread that never attached it aborts, naming the call");
+    } else {
+        ok(1, "# SKIP caller check: SP_DEBUG 0");
+        ok(1, "# SKIP caller check: SP_DEBUG 0");
+        ok(1, "# SKIP caller check: SP_DEBUG 0");
+    }
+    is_int(sp_shutdown(), SP_OK, "shutdown");
+}
+
 /* ---- the main thread's quiescent states ----------------------------------------------- */
 
 static atomic_bool held_freed, blocker_entered, blocker_release;
@@ -1295,5 +1377,6 @@ int main(void) {
     test_main_quiescent(0);
     test_main_quiescent(1);
     test_null_out();
+    test_arena_callers();
     return done();
 }
