@@ -261,6 +261,12 @@ static sp_result desc_fill(const sp_desc *in, sp_desc *d) {
     if (d->frame_buffers > SP_FRAME_MAX_BUFFERS)
         return sp_misuse(SP_ERR_INVALID_ARG, "sp_init", in, "frame_buffers %u is above %d",
                          d->frame_buffers, SP_FRAME_MAX_BUFFERS);
+    /* With one buffer a frame's data would be reclaimed at its own sp_frame_end: the frame
+     * loop promises it lives through the next frame at least. */
+    if (d->frame_buffers == 1)
+        return sp_misuse(SP_ERR_INVALID_ARG, "sp_init", in,
+                         "frame_buffers 1: at least 2 (one buffer is reclaimed at the end of "
+                         "its own frame)");
     const size_t max = (size_t)1 << 46; /* 64 TiB a region: sums and roundings cannot wrap */
     if (d->heap_size > max || d->frame_size > max || d->handle_size > max ||
         d->persistent_size > max)

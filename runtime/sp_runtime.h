@@ -107,8 +107,9 @@ typedef struct sp_desc {
                                (0: half the physical memory, 256 MiB .. 64 GiB; at least
                                64 MiB, less is refused: SP_ERR_INVALID_ARG) */
     size_t frame_size;      /* bytes per frame buffer (0: physical memory / 64, 16 .. 256 MiB) */
-    uint32_t frame_buffers; /* 0: 2; at most 4. Frame i uses buffer i mod N; its data lives
-                               through frame i + N - 1 */
+    uint32_t frame_buffers; /* 0: 2; else 2..4 (1 and above 4 are refused:
+                               SP_ERR_INVALID_ARG). Frame i uses buffer i mod N; its data
+                               lives through frame i + N - 1 */
     size_t frame_chunk;     /* per-thread chunk of a buffer (0: the arena's default) */
     sp_frame_overflow frame_overflow; /* a full buffer: NULL (default) or the central heap */
     size_t handle_size;         /* handle heap region (0: physical memory / 8, 64 MiB .. 4 GiB) */
@@ -181,7 +182,7 @@ typedef struct sp_status {
 /* Start the runtime; the calling thread becomes its main thread (and the scheduler's worker
  * 0). desc may be NULL (all defaults). Cost: a reservation, thread starts, the scheduler's
  * fiber pool. Returns SP_OK; SP_ERR_INVALID_ARG for a desc that is misuse (a canary not zero,
- * frame_buffers above 4, heap_size below 64 MiB; and the subsystems' own desc checks, e.g. a
+ * frame_buffers 1 or above 4, heap_size below 64 MiB; and the subsystems' own desc checks, e.g. a
  * jobs desc sp_jobs_create refuses) and SP_ERR_OVERFLOW (a region above 64 TiB): reported as
  * misuse, so debug builds abort (sp_log.h; sp_misuse_set_fatal(false) makes them return);
  * SP_ERR_INVALID_ARG, logged and never fatal, when already initialised; or the failing

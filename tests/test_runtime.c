@@ -51,6 +51,17 @@ static void test_before_init(void) {
     is_int(sp_init(&d), SP_ERR_INVALID_ARG, "frame_buffers 5 is refused");
     sp_status_get(&st);
     ok(!st.initialised && sp_init_failure() == NULL, "... nothing started");
+    /* One buffer: a frame's data would go at its own sp_frame_end. */
+    d = small_desc(1);
+    d.frame_buffers = 1;
+    ts_log_reset();
+    is_int(sp_init(&d), SP_ERR_INVALID_ARG, "frame_buffers 1 is refused");
+    sp_status_get(&st);
+    ok(!st.initialised && sp_init_failure() == NULL && ts_logged.count == 1 &&
+           !strcmp(ts_logged.last_call, "sp_init") &&
+           strstr(ts_logged.last_message, "frame_buffers 1") != NULL,
+       "... reported under sp_init, naming frame_buffers; nothing started");
+    if (st.initialised) sp_shutdown();
     ts_log_release();
 }
 
@@ -1355,7 +1366,7 @@ int main(void) {
     test_before_init();
     test_regions();
     for (uint32_t w = 0; w <= 2; w++) test_frame_jobs(w);
-    for (uint32_t b = 1; b <= 4; b++) test_lifetime(b);
+    for (uint32_t b = 2; b <= 4; b++) test_lifetime(b);
     test_overflow(SP_FRAME_OVERFLOW_NULL);
     test_overflow(SP_FRAME_OVERFLOW_HEAP);
     test_between();
