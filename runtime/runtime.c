@@ -286,6 +286,13 @@ static sp_result desc_fill(const sp_desc *in, sp_desc *d) {
     d->frame_size = sp_align_up(d->frame_size, REGION_ALIGN);
     d->handle_size = sp_align_up(d->handle_size, REGION_ALIGN);
     d->persistent_size = sp_align_up(d->persistent_size, REGION_ALIGN);
+    /* frame_size is per buffer: the frame region is N of them (a division, so that the check
+     * cannot wrap where size_t is narrow). */
+    if (d->frame_size > max / d->frame_buffers)
+        return sp_misuse(SP_ERR_OVERFLOW, "sp_init", in,
+                         "the frame region, frame_size x frame_buffers (%zu x %u), is above "
+                         "64 TiB",
+                         d->frame_size, d->frame_buffers);
     return SP_OK;
 }
 

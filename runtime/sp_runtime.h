@@ -106,7 +106,8 @@ typedef struct sp_desc {
     size_t heap_size;       /* central heap region: thread caches and large blocks
                                (0: half the physical memory, 256 MiB .. 64 GiB; at least
                                64 MiB, less is refused: SP_ERR_INVALID_ARG) */
-    size_t frame_size;      /* bytes per frame buffer (0: physical memory / 64, 16 .. 256 MiB) */
+    size_t frame_size;      /* bytes per frame buffer (0: physical memory / 64, 16 .. 256 MiB);
+                               the frame region is frame_buffers of them */
     uint32_t frame_buffers; /* 0: 2; else 2..4 (1 and above 4 are refused:
                                SP_ERR_INVALID_ARG). Frame i uses buffer i mod N; its data
                                lives through frame i + N - 1 */
@@ -183,7 +184,8 @@ typedef struct sp_status {
  * 0). desc may be NULL (all defaults). Cost: a reservation, thread starts, the scheduler's
  * fiber pool. Returns SP_OK; SP_ERR_INVALID_ARG for a desc that is misuse (a canary not zero,
  * frame_buffers 1 or above 4, heap_size below 64 MiB; and the subsystems' own desc checks, e.g. a
- * jobs desc sp_jobs_create refuses) and SP_ERR_OVERFLOW (a region above 64 TiB): reported as
+ * jobs desc sp_jobs_create refuses) and SP_ERR_OVERFLOW (a region above 64 TiB: heap_size,
+ * frame_size x frame_buffers, handle_size or persistent_size): reported as
  * misuse, so debug builds abort (sp_log.h; sp_misuse_set_fatal(false) makes them return);
  * SP_ERR_INVALID_ARG, logged and never fatal, when already initialised; or the failing
  * subsystem's error, everything started so far stopped again (sp_init_failure names the

@@ -1054,6 +1054,26 @@ static void test_desc_sizes(void) {
     ok(r == SP_ERR_INVALID_ARG && !strcmp(ts_logged.last_call, "sp_init") &&
            strstr(ts_logged.last_message, "heap_size") != NULL,
        "a 1 MiB central heap: sp_init answers SP_ERR_INVALID_ARG naming heap_size");
+    /* frame_size is per buffer: the frame region is frame_size x frame_buffers, and that is
+     * what must stay within 64 TiB (beyond, the reservation would fail as SP_ERR_OS). */
+    const size_t tib = (size_t)1 << 40;
+    struct {
+        size_t size;
+        uint32_t buffers;
+    } big[] = {{64 * tib, 0}, {64 * tib, 2}, {32 * tib, 4}, {24 * tib, 3}};
+    for (size_t i = 0; i < SP_ARRAY_LEN(big); i++) {
+        d = small_desc(0);
+        d.frame_size = big[i].size;
+        d.frame_buffers = big[i].buffers;
+        ts_log_reset();
+        r = sp_init(&d);
+        ok(r == SP_ERR_OVERFLOW && !strcmp(ts_logged.last_call, "sp_init") &&
+               strstr(ts_logged.last_message, "frame_size x frame_buffers") != NULL &&
+               sp_init_failure() == NULL,
+           "frame_size %zu TiB x %u buffers: SP_ERR_OVERFLOW (%s), nothing started",
+           big[i].size / tib, big[i].buffers ? big[i].buffers : 2, sp_result_name(r));
+        if (r == SP_OK) sp_shutdown();
+    }
     ts_log_release();
 }
 
