@@ -75,6 +75,12 @@ static bool scheduler_begin(const jt_config *c) {
     return scheduler_begin_desc(c, desc_for(c));
 }
 
+/* S with one worker whose worker_sleep hook is `hook`; false (a failed line) if create failed. */
+static bool begin_with_sleep_hook(void (*hook)(void *user, uint32_t worker)) {
+    return scheduler_begin_desc(&jt_sweep[2],
+                                (sp_jobs_desc){.workers = 1, .hooks = {.worker_sleep = hook}});
+}
+
 static void scheduler_end(void) {
     sp_jobs_shutdown(S);
     sp_jobs_destroy(S);
@@ -788,12 +794,7 @@ static void hook_waiter(void *arg) {
 }
 
 static void test_audit_sleep_hook(void) {
-    CFG = &jt_sweep[2];
-    sp_jobs_desc desc = {.workers = 1, .hooks = {.worker_sleep = signalling_sleep_hook}};
-    if (sp_jobs_create(&S, &desc) != SP_OK) {
-        ok(0, "sleep hook: create");
-        return;
-    }
+    if (!begin_with_sleep_hook(signalling_sleep_hook)) return;
     hook_gate = counter("hook gate");
     sp_counter_add(hook_gate, 1);
     sp_job_desc j = jt_job(hook_waiter, NULL, "pinned waiter");
@@ -895,12 +896,7 @@ static void misusing_sleep_hook(void *user, uint32_t index) {
 }
 
 static void test_audit_hook_misuse(void) {
-    CFG = &jt_sweep[2];
-    sp_jobs_desc desc = {.workers = 1, .hooks = {.worker_sleep = misusing_sleep_hook}};
-    if (sp_jobs_create(&S, &desc) != SP_OK) {
-        ok(0, "hook misuse: create");
-        return;
-    }
+    if (!begin_with_sleep_hook(misusing_sleep_hook)) return;
     hook_c = counter("hook c");
     sp_counter_add(hook_c, 1);
     jt_log_reset();

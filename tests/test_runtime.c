@@ -20,6 +20,14 @@ static sp_desc small_desc(uint32_t workers) {
     return ts_small_desc(workers, 16);
 }
 
+/* sp_init with small_desc(workers); false, with a failed line, if it fails. */
+static bool init_small(uint32_t workers) {
+    sp_desc d = small_desc(workers);
+    if (sp_init(&d) == SP_OK) return true;
+    ok(0, "init");
+    return false;
+}
+
 static void test_before_init(void) {
     ts_log_capture();
     is_int(sp_frame_begin(), SP_ERR_SHUTDOWN, "frame_begin before init: SP_ERR_SHUTDOWN");
@@ -661,11 +669,7 @@ static void remote_free_frame(span_blocks *l, sp_frame_stats *st) {
  * emptied are kept up to keep_empty (2) and returned past it, and kept empty spans stay from
  * frame to frame (a full trim every frame would hand them back and take them again). */
 static void test_frame_tidy(void) {
-    sp_desc d = small_desc(1);
-    if (sp_init(&d) != SP_OK) {
-        ok(0, "init");
-        return;
-    }
+    if (!init_small(1)) return;
     enum { MAX = 1200 };
     static void *b[MAX];
     int first[5];
@@ -712,11 +716,7 @@ static void gated_job(void *arg) {
  * 128th frame end, the rest at the 192nd (none at the 64th: those spares were in use within
  * its interval). */
 static void test_frame_fiber_trim(void) {
-    sp_desc d = small_desc(1);
-    if (sp_init(&d) != SP_OK) {
-        ok(0, "init");
-        return;
-    }
+    if (!init_small(1)) return;
     enum { WAITERS = 100 };
     gate = sp_counter_create(sp_scheduler(), "gate");
     sp_counter_add(gate, 1);
@@ -769,11 +769,7 @@ static void nop_job(void *arg) {
 /* A worker tidies its own cache when it goes idle after a frame ended: the inbox of blocks
  * the main thread freed is taken back although the worker never allocates that class again. */
 static void test_worker_tidy(void) {
-    sp_desc d = small_desc(1);
-    if (sp_init(&d) != SP_OK) {
-        ok(0, "init");
-        return;
-    }
+    if (!init_small(1)) return;
     static void *b[300];
     span_blocks l = {b, 300};
     sp_job_desc j = {.fn = alloc_job, .arg = &l, .pinned = true, .worker = 1, .name = "alloc"};
@@ -1118,11 +1114,7 @@ static void stats_null(void *arg) {
 /* sp_status_get and sp_frame_stats_last with a NULL out: misuse, reported naming the call,
  * nothing written; debug builds abort with that report. */
 static void test_null_out(void) {
-    sp_desc d = small_desc(0);
-    if (sp_init(&d) != SP_OK) {
-        ok(0, "init");
-        return;
-    }
+    if (!init_small(0)) return;
     sp_frame_begin();
     sp_frame_end();
     ts_log_capture();
@@ -1188,11 +1180,7 @@ static void *arena_dies(void *arg) {
  * is not ordered with the flip: debug builds report its call as misuse (NULL), and abort on
  * it with the misuse policy fatal (here from a thread that never attached). */
 static void test_arena_callers(void) {
-    sp_desc d = small_desc(1);
-    if (sp_init(&d) != SP_OK) {
-        ok(0, "init");
-        return;
-    }
+    if (!init_small(1)) return;
     sp_frame_begin();
     sp_frame_end();
     ts_log_capture();
@@ -1267,11 +1255,7 @@ static void nap_job(void *arg) {
  * offline). The reclaimer is in a grace period for the object meanwhile. The object must stay
  * until the frame's sp_frame_end, and be freed after it. */
 static void test_main_quiescent(uint32_t workers) {
-    sp_desc d = small_desc(workers);
-    if (sp_init(&d) != SP_OK) {
-        ok(0, "init");
-        return;
-    }
+    if (!init_small(workers)) return;
     atomic_store(&held_freed, false);
     atomic_store(&blocker_entered, false);
     atomic_store(&blocker_release, false);
@@ -1353,11 +1337,7 @@ static void *late_submitter(void *arg) {
  * frame waits until the arena has moved on: its job belongs to the next frame (allocates from
  * that frame's buffer), never to the one whose buffers are being flipped. */
 static void test_attached_submit_next_frame(void) {
-    sp_desc d = small_desc(1);
-    if (sp_init(&d) != SP_OK) {
-        ok(0, "init");
-        return;
-    }
+    if (!init_small(1)) return;
     for (int f = 0; f < 3; f++) { /* frame 3 is the one closed under the attached submit */
         sp_frame_begin();
         sp_frame_end();
