@@ -18,7 +18,10 @@
  *     reported;
  *   - after every frame whose compaction caught up with at least 1 MiB live: committed
  *     memory at most the bytes live objects asked for + 5% (the issue's bound; below 1 MiB
- *     the 16 KiB commit steps alone can exceed 5%);
+ *     the 16 KiB commit steps alone can exceed 5%). Like the catch-up rate, the memory bounds
+ *     skip frames whose compaction lost a quarter of its budget to preemption: such a call may
+ *     finish its pass and leave the decommit to the next frame (seen under load: wall 5 ms
+ *     against 1 ms of CPU); at least half the frames must be checked;
  *   - after every frame whose compaction caught up: committed memory at most the bytes live
  *     blocks need (status.needed_bytes: a 16-byte header each + the size rounded up to 16)
  *     + 5% + 64 KiB (the commit granularity and the trim hysteresis floor, which dominate
@@ -118,6 +121,8 @@ typedef struct result {
     double need_over_max; /* committed / needed - 1, max */
     uint32_t checked_frames, first_caught_up, frames_not_caught_up, frames_preempted;
     uint32_t bad_frag, bad_mem;
+    uint32_t mem_preempted; /* caught-up frames whose call lost a quarter of its budget */
+    uint32_t mem_checked;   /* caught-up frames, not preempted: the memory bounds apply */
     uint64_t moved, compact_ns_max, compact_ns_sum;
     size_t live_end, mem_end, live_peak, mem_peak;
     bool intact, sound, failed;
@@ -165,7 +170,8 @@ static void soak_handle(uint32_t frames, result *res) {
         /* The budget is wall time: a compaction that lost a quarter of it to preemption (a
          * loaded machine) is not held against the catch-up rate. */
         uint64_t cpu = thread_cpu_ns() - cpu0;
-        if (!cs.caught_up && cs.ns > cpu + BUDGET_NS / 4) res->frames_preempted++;
+        const bool preempted = cs.ns > cpu + BUDGET_NS / 4;
+        if (!cs.caught_up && preempted) res->frames_preempted++;
         res->moved += cs.bytes_moved;
         res->compact_ns_sum += cs.ns;
         ns_all[f] = cs.ns;
@@ -188,7 +194,12 @@ static void soak_handle(uint32_t frames, result *res) {
         if (st.fragmentation > 0.01) res->frames_over_1pct++;
         double over = st.live_bytes ? (double)st.committed_bytes / st.live_bytes - 1.0 : 0;
         if (st.live_bytes >= (1u << 20) && over > res->mem_over_max) res->mem_over_max = over;
-        if (cs.caught_up && st.live_bytes >= (1u << 20)) {
+        /* The memory bounds hold once the pass is done and its decommit had its share of the
+         * budget: a preempted call may catch up and leave the decommit to the next frame. */
+        const bool mem_checked = cs.caught_up && !preempted;
+        if (cs.caught_up && preempted) res->mem_preempted++;
+        res->mem_checked += mem_checked;
+        if (mem_checked && st.live_bytes >= (1u << 20)) {
             if (over > res->live_over_max) res->live_over_max = over;
             if (st.committed_bytes > st.live_bytes + st.live_bytes / 20) res->bad_live++;
         }
@@ -196,12 +207,12 @@ static void soak_handle(uint32_t frames, result *res) {
         if (st.live_bytes >= (1u << 20) && nover > res->need_over_max) res->need_over_max = nover;
         if (st.committed_bytes > st.needed_bytes + st.needed_bytes / 20 + MEM_FLOOR) {
             res->mem_over_frames++;
-            if (cs.caught_up) res->bad_mem++;
+            if (mem_checked) res->bad_mem++;
             if (getenv("SOAK_SLOW") && cs.caught_up)
                 diag("memory frame %u: needed %zu used %zu holes %zu committed %zu, compaction "
-                     "%.1f us moved %llu",
+                     "%.1f us (cpu %.1f us) moved %llu",
                      f, st.needed_bytes, st.used_bytes, st.hole_bytes, st.committed_bytes,
-                     cs.ns / 1e3, (unsigned long long)cs.bytes_moved);
+                     cs.ns / 1e3, cpu / 1e3, (unsigned long long)cs.bytes_moved);
         }
         if (getenv("SOAK_TRACE") && f % 2000 == 0)
             diag("frame %u: live %zu (%zu objs) used %zu holes %zu committed %zu frag %.4f", f,
@@ -341,12 +352,13 @@ int main(int argc, char **argv) {
        r.checked_frames, r.bad_frag, r.frames_preempted);
     ok(r.bad_live == 0,
        "committed memory <= live bytes (asked for) + 5%% after every frame whose compaction "
-       "caught up with at least 1 MiB live (max %.2f%% over, %u frames above)",
-       r.live_over_max * 100, r.bad_live);
-    ok(r.bad_mem == 0,
+       "caught up with at least 1 MiB live (max %.2f%% over, %u frames above; %u preempted "
+       "frames not checked)",
+       r.live_over_max * 100, r.bad_live, r.mem_preempted);
+    ok(r.bad_mem == 0 && r.mem_checked > frames / 2,
        "committed memory <= needed + 5%% + 64 KiB after every frame whose compaction caught "
-       "up (%u over)",
-       r.bad_mem);
+       "up (%u over; %u frames checked, at least half; %u preempted)",
+       r.bad_mem, r.mem_checked, r.mem_preempted);
     diag("handle heap: memory above needed + 5%% + 64 KiB after %u frames in all; committed "
          "over live (bytes asked for) max %.2f%% (frames with live >= 1 MiB), over needed max "
          "%.2f%%",
