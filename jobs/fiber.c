@@ -54,6 +54,8 @@ struct sp_fiber_pool {
     sp_fiber *free;
     uint32_t in_use;
     uint32_t ran_free; /* free fibers that ran: what a trim gives back */
+    uint32_t trimming; /* free fibers a trim holds off the list while it purges their stacks */
+    bool trim_off;     /* a purge failed (pages locked: mlockall): trims do nothing from then */
     uint32_t count;    /* fibers made so far */
     uint32_t max;      /* the most it may make */
     bool growing;      /* an acquire makes more fibers (with the lock released) */
@@ -282,10 +284,10 @@ sp_fiber *sp_fiber_acquire(sp_fiber_pool *pool, sp_fiber_fn fn, void *arg) {
     sp_mutex_lock(&pool->lock);
     /* None free: grow (a tree of waits deeper than the pool gets the fibers it needs), or wait
      * for the acquire that is growing it (or for a release). */
-    while (SP_UNLIKELY(!pool->free && pool->count < pool->max)) {
-        if (!pool->growing) {
+    while (SP_UNLIKELY(!pool->free && (pool->count < pool->max || pool->trimming))) {
+        if (!pool->growing && !pool->trimming) {
             pool_grow(pool);
-        } else {
+        } else { /* a trim puts its fibers back soon: no growth, no exhaustion for them */
             sp_mutex_unlock(&pool->lock);
             sp_thread_yield();
             sp_mutex_lock(&pool->lock);
@@ -355,22 +357,48 @@ uint32_t sp_fiber_pool_count(sp_fiber_pool *pool) {
 }
 
 uint32_t sp_fiber_pool_trim(sp_fiber_pool *pool, uint32_t max) {
-    uint32_t done = 0;
+    /* Take up to max free fibers that ran off the list (acquires wait for them rather than
+     * grow the pool), purge their stacks with the lock released (a madvise each, and a
+     * failure is logged: a logger may ask the pool anything), put them back. */
+    sp_fiber *taken = NULL;
+    uint32_t n = 0;
     sp_mutex_lock(&pool->lock);
-    for (sp_fiber *f = pool->free; f && pool->ran_free && done < max; f = f->next_free) {
-        if (!f->ran) continue;
-        if (sp_vm_purge(f->stack_lo, f->stack_size) != SP_OK) break; /* logged */
-        f->ran = false;
+    for (sp_fiber **link = &pool->free; *link && !pool->trim_off && n < max && pool->ran_free;) {
+        sp_fiber *f = *link;
+        if (!f->ran) {
+            link = &f->next_free;
+            continue;
+        }
+        *link = f->next_free;
+        f->next_free = taken;
+        taken = f;
         pool->ran_free--;
-        done++;
+        n++;
     }
+    pool->trimming += n;
+    sp_mutex_unlock(&pool->lock);
+    uint32_t done = 0;
+    bool failed = false;
+    for (sp_fiber *f = taken; f && !failed; f = f->next_free) {
+        failed = sp_vm_purge(f->stack_lo, f->stack_size) != SP_OK;
+        f->ran = failed;
+        done += !failed;
+    }
+    if (!n) return 0;
+    sp_mutex_lock(&pool->lock);
+    sp_fiber *last = taken;
+    for (sp_fiber *f = taken; f; last = f, f = f->next_free) pool->ran_free += f->ran;
+    last->next_free = pool->free;
+    pool->free = taken;
+    pool->trimming -= n;
+    pool->trim_off |= failed;
     sp_mutex_unlock(&pool->lock);
     return done;
 }
 
 uint32_t sp_fiber_pool_stacks_used(sp_fiber_pool *pool) {
     sp_mutex_lock(&pool->lock);
-    uint32_t n = pool->in_use + pool->ran_free;
+    uint32_t n = pool->in_use + pool->ran_free + pool->trimming;
     sp_mutex_unlock(&pool->lock);
     return n;
 }

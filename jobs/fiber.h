@@ -118,9 +118,11 @@ uint32_t sp_fiber_pool_count(sp_fiber_pool *pool);
 
 /* Give back the stack pages of free fibers that ran since they were made or last trimmed
  * (sp_vm_purge: their stacks stay usable, and fault in afresh when a fiber runs again), at
- * most `max` of them; returns how many. Any thread. Cost: the pool's lock throughout, one
- * madvise per stack (acquires wait meanwhile), and a walk of the free list up to the last of
- * them. */
+ * most `max` of them; returns how many. The fibers are off the free list while their stacks
+ * are purged (an acquire that finds no other fiber waits for them, neither growing the pool
+ * nor counting as exhausted). A purge that fails (the pages are locked: mlockall) is logged
+ * once and ends trimming for the pool's life. Any thread. Cost: the pool's lock twice, a walk
+ * of the free list up to the last fiber taken, one madvise per stack (lock released). */
 uint32_t sp_fiber_pool_trim(sp_fiber_pool *pool, uint32_t max);
 
 /* Fibers whose stacks may hold pages: acquired, or free and run since made or trimmed. Any

@@ -89,7 +89,7 @@ static void abandon_waiters(sp_jobs *s) {
                            "wait returns SP_ERR_STALLED",
                            name ? name : "(unnamed)", c->name ? c->name : "(unnamed)",
                            (long long)atomic_load(&c->value), (long long)wt->target);
-                    s->stalled_resumed++;
+                    atomic_fetch_add(&s->stalled_waits, 1);
                     jb->stalled = true;
                     jobs_job_ready(s, jobs_current_worker(), jb); /* wt dies when it runs */
                     continue;
@@ -160,13 +160,18 @@ void jobs_drain_check(sp_jobs *s) {
     uint64_t parks = SUM(s, parks), resumes = SUM(s, resumes);
     int64_t parked_jobs = (int64_t)(parks - resumes - s->abandoned_jobs);
     uint64_t progress = done + parks + resumes;
-    if (!finished && (int64_t)outstanding == parked_jobs + atomic_load(&s->deferred)) {
+    /* Stuck: every record left is a parked job, a deferred batch or a job waiting nested (no
+     * fiber), and nothing moved for 100 ms. */
+    uint32_t nested = atomic_load(&s->nested_waiting);
+    if (!finished &&
+        (int64_t)outstanding == parked_jobs + atomic_load(&s->deferred) + (int64_t)nested) {
         uint64_t now = sp_time_ns();
         if (progress != s->drain_last_done || s->drain_still_since == 0) {
             s->drain_last_done = progress;
             s->drain_still_since = now;
         } else if (now - s->drain_still_since > 100000000) { /* 100 ms, nothing ran */
             abandon_waiters(s);
+            if (nested) atomic_store(&s->give_up_nested, 1); /* they cannot be abandoned */
             finished = drain_outstanding(s, &done) == 0;
             s->drain_still_since = 0;
         }
@@ -219,7 +224,7 @@ sp_result sp_jobs_shutdown(sp_jobs *s) {
         sp_fiber_release(s->pool, s->spares[i]);
     atomic_store(&s->spare_count, 0);
     atomic_store(&s->stopped, 1);
-    return s->abandoned_records || s->stalled_resumed ? SP_ERR_STALLED : SP_OK;
+    return s->abandoned_records || atomic_load(&s->stalled_waits) ? SP_ERR_STALLED : SP_OK;
 }
 
 /* ---- watchdog (debug builds) ----------------------------------------------------------- */

@@ -187,7 +187,11 @@ struct sp_jobs {
     /* Shutdown gave up on jobs that could never run (main thread only): parked jobs, and the
      * records they and abandoned deferred batches hold (non-zero: something was abandoned). */
     uint64_t abandoned_jobs, abandoned_records;
-    uint64_t stalled_resumed; /* jobs parked on a thread's stack, resumed with SP_ERR_STALLED */
+    /* Jobs whose wait shutdown gave up on instead of abandoning them (SP_ERR_STALLED from the
+     * wait): parked on a thread's own stack, or waiting nested (no fiber). */
+    _Atomic uint64_t stalled_waits;
+    _Atomic uint32_t nested_waiting; /* jobs (not thread jobs) in wait_nested */
+    _Atomic uint32_t give_up_nested; /* shutdown is stuck: nested waits of jobs give up */
     /* job records */
     job *records;
     sp_mutex record_lock;
@@ -253,6 +257,9 @@ static inline uint64_t piece_grain(const job *j) {
 /* sched.c */
 SP_HIDDEN void jobs_mpsc_init(mpsc *q);
 SP_HIDDEN job *jobs_records_take(sp_jobs *s, worker *w, uint32_t n);
+/* The calling thread, a worker of s not running its loop (the main thread waiting for something
+ * else): give back the job records it caches if a taker is short of them. */
+SP_HIDDEN void jobs_records_give_back(sp_jobs *s);
 SP_HIDDEN void jobs_chain_push(sp_jobs *s, worker *w, job *chain);
 SP_HIDDEN void jobs_job_ready(sp_jobs *s, worker *w, job *j);
 SP_HIDDEN bool jobs_wake_if_idle(sp_jobs *s, uint32_t i);

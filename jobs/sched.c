@@ -151,6 +151,11 @@ static void idle_flush(sp_jobs *s, worker *w) {
     if (SP_UNLIKELY(atomic_load(&s->records_wanted)) && w->free_count) records_flush(s, w, 0);
 }
 
+void jobs_records_give_back(sp_jobs *s) {
+    worker *w = jobs_worker_of(s);
+    if (w) idle_flush(s, w);
+}
+
 static void worker_idle(sp_jobs *s, worker *w, sp_counter *c, int64_t target) {
     jobs_busy_set(w, 0);
     if (w->id == 0 && atomic_load_explicit(&s->closing, memory_order_relaxed)) jobs_drain_check(s);
@@ -256,8 +261,9 @@ static job *records_take_pool(sp_jobs *s, uint32_t n) {
 SP_COLD static bool records_wait(sp_jobs *s, worker *w, uint32_t n) {
     atomic_fetch_add(&s->records_wanted, 1);
     for (uint32_t i = 0; i <= s->nworkers; i++) jobs_wake_if_idle(s, i);
-    uint64_t done, live = jobs_records_outstanding(s, &done);
-    uint64_t patience = live + n <= s->desc.max_jobs ? 1000000000 : 10000000;
+    /* A thread that is not a worker counted its n in ext_taken already (in `live`). */
+    uint64_t done, live = jobs_records_outstanding(s, &done), need = w ? n : 0;
+    uint64_t patience = live + need <= s->desc.max_jobs ? 1000000000 : 10000000;
     bool got = false;
     for (uint64_t t0 = sp_time_ns(); !got && sp_time_ns() - t0 < patience; sp_thread_yield()) {
         sp_mutex_lock(&s->record_lock);
@@ -784,7 +790,12 @@ static void wait_nested(sp_jobs *s, worker *w, job *me, sp_counter *c, int64_t t
     job *aside = NULL;
     uint32_t aside_n = 0;
     uint64_t seen = UINT64_MAX, since = 0; /* jobs run anywhere, and when that last changed */
-    while (!counter_reached(c, target) && !me->stalled) {
+    /* A job's nested wait counts for shutdown's drain, which gives it up once nothing moves
+     * (a thread's own wait, shutdown's included, is never given up). */
+    const bool job_wait = me->kind != JOB_THREAD;
+    if (job_wait) atomic_fetch_add(&s->nested_waiting, 1);
+    while (!counter_reached(c, target) && !me->stalled &&
+           !(job_wait && atomic_load_explicit(&s->give_up_nested, memory_order_relaxed))) {
         job *k = find_work(s, w);
         if (k && !k->fiber && !room && aside_n < ASIDE_MAX) {
             k->next = aside;
@@ -806,9 +817,12 @@ static void wait_nested(sp_jobs *s, worker *w, job *me, sp_counter *c, int64_t t
             uint32_t nap = 0;
             sp_futex_wait(&nap, 0, 100000);
         } else if (k && k->fiber) {
-            /* A parked job is ready: park ourselves and switch straight to it. */
+            /* A parked job is ready: park ourselves and switch straight to it (parked, this
+             * wait counts as a park, not as a nested wait). */
+            if (job_wait) atomic_fetch_sub(&s->nested_waiting, 1);
             if (!job_park(s, w, me, c, target, k->fiber, k))
                 jobs_chain_push(s, w, (k->next = NULL, k));
+            if (job_wait) atomic_fetch_add(&s->nested_waiting, 1);
         } else if (k) {
             /* k runs on top of `me`: if k parks, `me` parks with it, so k must come back where
              * `me` may run. */
@@ -820,6 +834,20 @@ static void wait_nested(sp_jobs *s, worker *w, job *me, sp_counter *c, int64_t t
             worker_idle(s, w, c, target);
         }
         w = jobs_current_worker();
+    }
+    if (job_wait) {
+        atomic_fetch_sub(&s->nested_waiting, 1);
+        if (!counter_reached(c, target) && !me->stalled) { /* given up by shutdown */
+            sp_log(SP_LOG_ERROR, SP_ERR_STALLED, "sp_counter_wait", c,
+                   "job '%s' waits on counter '%s' (value %lld, target %lld) that nothing can "
+                   "reach, in a wait that found no fiber: at shutdown its wait returns "
+                   "SP_ERR_STALLED",
+                   job_wait_name(me) ? job_wait_name(me) : "(unnamed)",
+                   c->name ? c->name : "(unnamed)", (long long)atomic_load(&c->value),
+                   (long long)target);
+            atomic_fetch_add(&s->stalled_waits, 1);
+            me->stalled = true; /* sp_counter_wait returns SP_ERR_STALLED */
+        }
     }
     /* Leaving the wait, this thread goes back to its job: work anyone may run gets a worker,
      * since a push may have woken (or counted on the spinning of) this thread alone (as

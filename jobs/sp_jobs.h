@@ -178,11 +178,12 @@ sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc);
  * until destroy. Jobs that can never run (a batch deferred on, or a fiber parked on, a counter
  * nothing will reach once all else is done, 100 ms without progress) are reported one by one
  * with SP_ERR_STALLED naming job and counter, and abandoned: shutdown then returns
- * SP_ERR_STALLED instead of SP_OK. (A job that waits on a thread's own stack, as waits do when
- * every fiber is in use, cannot be abandoned with that stack: its wait returns SP_ERR_STALLED
- * and the job runs on; reported the same way.) Threads blocked in sp_counter_wait outside the
- * scheduler stay blocked. Main thread only, outside jobs (else misuse, SP_ERR_INVALID_ARG; NULL s
- * too). A second call does nothing and returns SP_ERR_SHUTDOWN. */
+ * SP_ERR_STALLED instead of SP_OK. (A job whose wait holds no fiber of its own - it waits on
+ * a thread's own stack, or runs other jobs in its wait because every fiber is in use - cannot
+ * be abandoned: its wait returns SP_ERR_STALLED and the job runs on; reported the same way.)
+ * Threads blocked in sp_counter_wait outside the scheduler stay blocked. Main thread only, outside
+ * jobs (else misuse, SP_ERR_INVALID_ARG; NULL s too). A second call does nothing and returns
+ * SP_ERR_SHUTDOWN. */
 sp_result sp_jobs_shutdown(sp_jobs *s);
 
 /* Shut down if not done (stalled jobs reported and abandoned as there), then free everything;
@@ -246,8 +247,9 @@ void sp_jobs_status_get(sp_jobs *s, sp_jobs_status *out);
  * again). Each worker's own few spares (at most 4) stay. Returns the stacks given back. The
  * runtime calls it between frames (sp_runtime.h); call it yourself after a burst of waits
  * (loading) when not using the runtime. Any thread. Cost: the spare list's lock for
- * O(spares given), then the pool's lock for one madvise per stack (at most max: other
- * workers' fresh fibers wait for it). */
+ * O(spares given), then the pool's lock twice and one madvise per stack (at most max, with
+ * the lock released: a worker that needs a fresh fiber meanwhile waits for those). A purge
+ * the OS refuses (mlockall) is reported once and ends trimming. */
 uint32_t sp_jobs_trim(sp_jobs *s, uint32_t max);
 
 /* Jobs finished since create (sp_jobs_status.jobs_run alone). Any thread; cost: O(workers)
@@ -308,8 +310,9 @@ int64_t sp_counter_value(const sp_counter *c);
  * second that is reported as SP_ERR_STALLED (once; the wait goes on).
  * On the main thread outside jobs: runs jobs until the counter is reached, then sleeps on a
  * futex. On other threads: sleeps on a futex. Returns SP_OK; SP_ERR_STALLED when shutdown
- * gave up on the wait (it can never complete, and the job waited on a thread's own stack with
- * every fiber in use, so the job cannot be abandoned: it runs on instead); misuse:
+ * gave up on the wait (it can never complete, and with every fiber in use the job waited on a
+ * thread's own stack or without a fiber, so it cannot be abandoned: it runs on instead);
+ * misuse:
  * SP_ERR_INVALID_ARG
  * (NULL, or a destroyed counter: returns at once), SP_ERR_SHUTDOWN (the counter is not
  * reached and the scheduler is shut down: nothing can reach it any more).

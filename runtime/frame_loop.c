@@ -2,6 +2,8 @@
  * between-frames works, and the per-frame statistics record. */
 #include "runtime_internal.h"
 
+#include "jobs_internal.h" /* jobs_records_give_back */
+
 #include <string.h>
 
 sp_counter *sp_frame_counter(void) {
@@ -29,10 +31,16 @@ static void gate_leave(void) {
 
 /* sp_frame_end, before its wait on the frame counter: from here no submit from outside the
  * frame loop's order raises it; those under way have raised it (or failed) once this returns.
- * They are short (sp_jobs_submit: a record take, a push). */
+ * They are short (sp_jobs_submit: a record take, a push), unless the scheduler is short of
+ * job records: then the submit waits for the workers to give back the ones they cache, and
+ * the main thread (worker 0) gives back its own here, or the submit would wait its full
+ * second for them. */
 static void gate_close(void) {
     atomic_store(&sp_rt.gate_closed, 1);
-    while (atomic_load(&sp_rt.gate_submitters)) sp_thread_yield();
+    while (atomic_load(&sp_rt.gate_submitters)) {
+        jobs_records_give_back(sp_rt.jobs);
+        sp_thread_yield();
+    }
 }
 
 /* Once the buffers are flipped (or sp_frame_end gives up): the submits that waited go on,

@@ -67,11 +67,11 @@
  *                                                            lag by a frame)
  * Frame arena memory must not be allocated while sp_frame_end flips the buffers: jobs on
  * counters of your own that outlive a frame may use the thread caches and the handle heap,
- * not the arena, and neither may the frame-counter jobs they or the scheduler's hooks submit
- * (such a submit is not held back while a frame closes, see sp_submit: only the frame
- * counter's own jobs' submits are ordered with the flip). Handle-heap compaction in sp_frame_end
- * waits for a later frame if a job is live when it would start (sp_jobs_idle, checked once: see
- * attached threads above).
+ * not the arena, and neither may the frame-counter jobs they submit (such a submit is not
+ * held back while a frame closes, see sp_submit: only the frame counter's own jobs' submits
+ * are ordered with the flip; the scheduler's hooks may not submit at all, sp_jobs.h). Handle-heap
+ * compaction in sp_frame_end waits for a later frame if a job is live when it would start
+ * (sp_jobs_idle, checked once: see attached threads above).
  *
  * Errors: calls before sp_init or after sp_shutdown, sp_init twice and sp_shutdown twice are
  * logged (SP_ERR_SHUTDOWN / SP_ERR_INVALID_ARG) and return an error or NULL; they never abort.
@@ -311,11 +311,11 @@ sp_counter *sp_frame_counter(void);
  * may use the arena: without the wait they could run while sp_frame_end flips its buffers.
  * A frame's jobs must therefore not wait for something such a thread does only after a
  * frame-counter submit (the frame would never close). The main thread and the runtime's
- * workers (jobs, the scheduler's hooks) never wait here (a job's submit raises the counter
- * before the job ends), nor do other counters' submits, nor is the frame counter raised by
- * other means (sp_jobs_submit, sp_counter_add) held back: from other threads those are not
- * ordered with the flip. Cost from such a thread: two atomic adds and a load more. Returns
- * what sp_jobs_submit returns, SP_ERR_SHUTDOWN before init. */
+ * workers never wait here (a job's submit raises the counter before the job ends), nor do other
+ * counters' submits, nor is the frame counter raised by other means (sp_jobs_submit,
+ * sp_counter_add) held back: from other threads those are not ordered with the flip. Cost from such
+ * a thread: two atomic adds and a load more. Returns what sp_jobs_submit returns, SP_ERR_SHUTDOWN
+ * before init. */
 sp_result sp_submit(const sp_job_desc *jobs, uint32_t count, sp_counter *counter);
 
 /* Open a frame (main thread, outside jobs). Returns SP_OK, SP_ERR_SHUTDOWN before init,

@@ -2,6 +2,7 @@
  *
  *   plan(n);  ok(cond, "what");  is_int(a, b, "what");  diag("fmt", ...);  return done();
  *   skip_all("reason")  prints "1..0 # SKIP reason" (meson 1.0 counts exit 77 as an error).
+ *   skip("reason")      one planned test not run here: "ok N # SKIP reason".
  *
  * Diagnostics go to stdout as "# ..." lines. Not thread-safe: call ok() from one thread.
  */
@@ -54,6 +55,11 @@ static inline int ok_at(int cond, const char *file, int line, const char *fmt, .
         long long tap_g_ = (long long)(got), tap_w_ = (long long)(want);                           \
         if (!ok(tap_g_ == tap_w_, __VA_ARGS__)) diag("  got %lld, want %lld", tap_g_, tap_w_);     \
     } while (0)
+
+static inline void skip(const char *reason) {
+    printf("ok %d # SKIP %s\n", ++tap_run, reason);
+    fflush(stdout);
+}
 
 static inline void skip_all(const char *reason) {
     printf("1..0 # SKIP %s\n", reason);

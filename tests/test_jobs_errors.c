@@ -871,6 +871,54 @@ static void test_audit_stalled_on_thread_stack(void) {
     jt_log_reset();
 }
 
+/* The same with no parked job ready: k, run nested on the main stack by shutdown's drain (no
+ * fiber free), waits on a counter nothing reaches and finds no fiber either, so its wait runs
+ * nested too, never parking. The drain counted only parked jobs as stuck and never gave up:
+ * shutdown hung. Now a stuck drain also gives up nested waits of jobs: k's returns
+ * SP_ERR_STALLED. */
+static void ts_k_nested(void *arg) {
+    (void)arg;
+    ts_k_rc = sp_counter_wait(ts_x, 0);
+    atomic_store(&ts_k_done, 1);
+}
+
+static void test_audit_stalled_nested(void) {
+    CFG = &jt_sweep[0];
+    sp_jobs_desc desc = {.no_workers = true, .fibers = 2, .fibers_max = 2};
+    if (sp_jobs_create(&S, &desc) != SP_OK) {
+        ok(0, "stalled nested: create");
+        return;
+    }
+    ts_x = counter("X");
+    ts_y = counter("Y");
+    ts_started = counter("started");
+    sp_counter_add(ts_x, 1);
+    sp_counter_add(ts_y, 1);
+    sp_counter_add(ts_started, 2);
+    sp_job_desc j[2] = {jt_job(ts_parker, ts_x, "parker x"), jt_job(ts_parker, ts_y, "parker y")};
+    sp_jobs_submit(S, &j[0], 1, NULL);
+    sp_jobs_submit(S, &j[1], 1, NULL);
+    sp_counter_wait(ts_started, 0);
+    ts_k_rc = SP_OK;
+    atomic_store(&ts_k_done, 0);
+    sp_job_desc k = jt_job(ts_k_nested, NULL, "k");
+    sp_jobs_submit(S, &k, 1, NULL);
+    jt_log_reset();
+    sp_result r = sp_jobs_shutdown(S);
+    sp_jobs_status st;
+    sp_jobs_status_get(S, &st);
+    ok(r == SP_ERR_STALLED && ts_k_rc == SP_ERR_STALLED && atomic_load(&ts_k_done) &&
+           jt_log_has(SP_ERR_STALLED, "sp_jobs_shutdown", "'parker x'") &&
+           jt_log_has(SP_ERR_STALLED, "sp_counter_wait", "'k'") && st.fibers_in_use == 0,
+       "shutdown, a stalled job waiting nested (no fiber) on the main stack: shutdown returns "
+       "(%s); that wait returns %s and the job finishes; every fiber back (%u in use)",
+       sp_result_name(r), sp_result_name(ts_k_rc), st.fibers_in_use);
+    if (!jt_log_has(SP_ERR_STALLED, "sp_counter_wait", "'k'")) jt_log_diag();
+    sp_jobs_destroy(S);
+    S = NULL;
+    jt_log_reset();
+}
+
 /* Hooks that submit, wait or run a parallel_for: refused as misuse (a wait from a
  * worker_sleep hook used to park the worker's thread job under a loop fiber; shutdown then
  * ran that record as a fresh job and crashed). */
@@ -1099,6 +1147,8 @@ int main(void) {
     test_audit_sleep_hook();
     jt_deadline("audit: a stalled job on the main thread's stack", 30);
     test_audit_stalled_on_thread_stack();
+    jt_deadline("audit: a stalled nested wait", 30);
+    test_audit_stalled_nested();
     jt_deadline("audit: hooks that wait or submit", 30);
     test_audit_hook_misuse();
     jt_deadline("audit: a deep fork-join tree", 60);

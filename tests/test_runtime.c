@@ -9,6 +9,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "jobs_internal.h"    /* white box: a taker short of job records */
 #include "runtime_internal.h" /* white box: the frame gate */
 #include "spindle.h"
 #include "tcache_heap.h" /* white box: the fallback cache's lock */
@@ -1362,6 +1363,67 @@ static void test_attached_submit_next_frame(void) {
     is_int(sp_shutdown(), SP_OK, "shutdown");
 }
 
+/* An attached thread's frame-counter submit that is short of job records while sp_frame_end
+ * closes the gate: the main thread, waiting at the gate for that submit, gives back the
+ * records it caches. It spun there instead, so the frame end waited the submit's full second
+ * and the submit failed (SP_ERR_LIMIT) with the records it needed cached by the main thread. */
+static atomic_int rec_go;
+static sp_result rec_result = SP_ERR_INVALID_ARG;
+static void rec_nop(void *arg) {
+    (void)arg;
+}
+static void *rec_submitter(void *arg) {
+    (void)arg;
+    sp_thread_attach();
+    while (!atomic_load(&rec_go)) sp_thread_yield();
+    sp_job_desc d[3];
+    for (int i = 0; i < 3; i++)
+        d[i] = (sp_job_desc){.fn = rec_nop, .name = "ext", .pinned = true, .worker = 1};
+    rec_result = sp_submit(d, 3, NULL);
+    sp_thread_detach();
+    return NULL;
+}
+
+static void test_gate_records(void) {
+    sp_desc d = small_desc(1);
+    d.jobs.max_jobs = 64;
+    if (sp_init(&d) != SP_OK) {
+        ok(0, "init");
+        return;
+    }
+    pthread_t t;
+    pthread_create(&t, NULL, rec_submitter, NULL);
+    sp_frame_begin();
+    /* 58 records held by jobs deferred on a counter of ours; the main thread caches a few. */
+    sp_counter *held_on = sp_counter_create(sp_scheduler(), "held on");
+    sp_counter_add(held_on, 1);
+    sp_job_desc deferred_jobs[58];
+    for (int i = 0; i < 58; i++)
+        deferred_jobs[i] =
+            (sp_job_desc){.fn = rec_nop, .name = "held", .pinned = true, .worker = 1};
+    bool sub = sp_jobs_submit_after(sp_scheduler(), held_on, 0, deferred_jobs, 58, NULL) == SP_OK;
+    atomic_store(&rec_go, 1);
+    /* Until the submit is inside the gate, short of records. */
+    for (uint64_t t0 = sp_time_ns();
+         !atomic_load(&sp_rt.jobs->records_wanted) && sp_time_ns() - t0 < 5000000000u;)
+        sp_thread_yield();
+    bool short_of = atomic_load(&sp_rt.jobs->records_wanted) != 0;
+    sp_frame_end();
+    pthread_join(t, NULL);
+    ok(sub && short_of && rec_result == SP_OK,
+       "a gated frame-counter submit short of job records gets those the main thread cached "
+       "while sp_frame_end waits for it (%s; it was SP_ERR_LIMIT after a 1 s frame end)",
+       sp_result_name(rec_result));
+    sp_counter_sub(held_on, 1);
+    sp_counter_wait(held_on, 0);
+    sp_counter_destroy(held_on);
+    for (int f = 0; f < 2; f++) {
+        sp_frame_begin();
+        sp_frame_end();
+    }
+    is_int(sp_shutdown(), SP_OK, "shutdown");
+}
+
 int main(void) {
     test_before_init();
     test_regions();
@@ -1385,6 +1447,7 @@ int main(void) {
     test_desc_sizes();
     test_caches_before_init();
     test_attached_submit_next_frame();
+    test_gate_records();
     test_main_quiescent(0);
     test_main_quiescent(1);
     test_null_out();
