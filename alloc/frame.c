@@ -38,8 +38,8 @@
 #define LO_MASK ((UINT64_C(1) << LO_BITS) - 1)
 #define MAX_CAPACITY ((size_t)1 << 42)
 #define MAX_CHUNKS ((size_t)1 << 19)
-#define STICKY 8     /* chunks a record keeps (asked for again) */
-#define RECORDS 64   /* claim records per buffer; threads beyond count on the bump word's line */
+#define STICKY 8      /* chunks a record keeps (asked for again) */
+#define RECORDS 64    /* claim records per buffer; threads beyond count on the bump word's line */
 #define MAX_HOLES 512 /* per buffer */
 #define MIN_CHUNK ((size_t)1024)
 #define POISON_BYTE 0xFD
@@ -96,10 +96,10 @@ struct sp_frame_arena {
     char *region;
     size_t committed; /* bytes of region committed at create (decommitted/released at destroy) */
     bool own;         /* we reserved the region */
-    uint64_t *marks; /* chunks bits: scratch of the close */
+    uint64_t *marks;  /* chunks bits: scratch of the close */
     /* Written when a thread takes a record index (its first claim in the arena). */
-    _Alignas(64) uint32_t records_used;  /* atomic: indices taken, at most RECORDS */
-    uint64_t record_owner[RECORDS];      /* atomic: the thread token holding each index */
+    _Alignas(64) uint32_t records_used; /* atomic: indices taken, at most RECORDS */
+    uint64_t record_owner[RECORDS];     /* atomic: the thread token holding each index */
     frame_buffer buf[SP_FRAME_MAX_BUFFERS];
     /* [thread index][buffer]: a thread's records of all buffers on adjacent lines, one page:
      * the close of a buffer it did not claim in reads lines next to the ones it just wrote
@@ -317,8 +317,9 @@ static void *alloc_any(sp_frame_arena *a, size_t align, size_t size, const char 
 /* noinline: alloc_any reads the thread's chunk through a plain thread-local address, right
  * only while no fiber switch can come between (this call never suspends; inlined into a
  * caller that does, the address could be kept across the switch). */
-SP_NOINLINE void *sp_frame_alloc_generic(sp_frame_arena *a, size_t align, size_t size) {
-    return alloc_any(a, align, size, align == 16 ? "sp_frame_alloc" : "sp_frame_aligned_alloc");
+SP_NOINLINE void *sp_frame_alloc_generic(sp_frame_arena *a, size_t align, size_t size,
+                                         const char *call) {
+    return alloc_any(a, align, size, call);
 }
 
 /* ---- frames ------------------------------------------------------------------------------ */

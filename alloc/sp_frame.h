@@ -143,7 +143,8 @@ void sp_frame_arena_destroy(sp_frame_arena *a);
  * out-of-line rest (sp_frame_alloc_generic) takes a chunk (a chunk kept for the thread: no
  * atomic; a fresh one: one atomic add) or a direct range (a CAS loop).
  * Returns NULL when the buffer is exhausted in SP_FRAME_OVERFLOW_NULL mode or the heap fallback
- * fails (both counted, see above); misuse (NULL + report): align not a power of two
+ * fails (both counted, see above; an alignment above the buffer's size cannot fit a buffer and
+ * counts the same way); misuse (NULL + report, under the call made): align not a power of two
  * (SP_ERR_BAD_ALIGNMENT), size above PTRDIFF_MAX (SP_ERR_OVERFLOW). `a` must be a live arena
  * (the inline path reads it before any check). */
 
@@ -193,7 +194,7 @@ extern _Thread_local sp_frame_chunk sp_frame_tls[SP_FRAME_SLOTS]
     __attribute__((tls_model("initial-exec")));
 
 /* Everything: validation, chunk refill, direct requests, overflow, tracking. */
-void *sp_frame_alloc_generic(sp_frame_arena *a, size_t align, size_t size);
+void *sp_frame_alloc_generic(sp_frame_arena *a, size_t align, size_t size, const char *call);
 
 #define SP_FRAME_INLINE SP_INLINE_FAST_PATHS
 
@@ -211,7 +212,7 @@ static inline __attribute__((always_inline)) void *sp_frame_alloc(sp_frame_arena
         c->cur = p + ((size + 15) & ~(size_t)15);
         return p;
     }
-    return sp_frame_alloc_generic(a, 16, size);
+    return sp_frame_alloc_generic(a, 16, size, "sp_frame_alloc");
 }
 
 static inline __attribute__((always_inline)) void *
@@ -227,14 +228,14 @@ sp_frame_aligned_alloc(sp_frame_arena *a, size_t align, size_t size) {
         c->cur = (char *)e;
         return (void *)p;
     }
-    return sp_frame_alloc_generic(a, align, size);
+    return sp_frame_alloc_generic(a, align, size, "sp_frame_aligned_alloc");
 }
 #else
 static inline void *sp_frame_alloc(sp_frame_arena *a, size_t size) {
-    return sp_frame_alloc_generic(a, 16, size);
+    return sp_frame_alloc_generic(a, 16, size, "sp_frame_alloc");
 }
 static inline void *sp_frame_aligned_alloc(sp_frame_arena *a, size_t align, size_t size) {
-    return sp_frame_alloc_generic(a, align, size);
+    return sp_frame_alloc_generic(a, align, size, "sp_frame_aligned_alloc");
 }
 #endif
 

@@ -190,7 +190,13 @@ size_t sp_tcache_tidy(void);
  * void  sp_tcache_free_local(void *p)             p a small block (<= max_class) allocated
  *                                                 by this thread's cache: skips the range
  *                                                 check; the owner, interior and double-free
- *                                                 checks stay. Anything else is undefined
+ *                                                 checks stay (reported under its own name).
+ *                                                 A pointer outside the thread caches' heaps
+ *                                                 is undefined (its span header is read: it
+ *                                                 may fault), except where the header is
+ *                                                 compiled with SP_DEBUG >= 1: there the
+ *                                                 range check stays and it is refused as for
+ *                                                 sp_tcache_free
  * Cost: alloc is a table lookup and a pop; free is the pointer checks and a push (bench
  * `tcache local`: bench/README.md has the ratios to the peers); the slow path takes the span's
  * inbox, then (only while the class has at most 8 other spans) another span's free blocks if
@@ -217,7 +223,9 @@ void *sp_tcache_aligned_alloc(size_t align, size_t size);
 size_t sp_tcache_usable_size(const void *p);
 
 /* Free a block of known size (what was asked for, or up to its usable size). A size larger
- * than the block is misuse (SP_ERR_INVALID_ARG; nothing freed). */
+ * than the block is misuse (SP_ERR_INVALID_ARG; nothing freed). A size smaller than what was
+ * asked for is not detected (the request is not stored): the block is freed, as C23's
+ * free_sized leaves it undefined. */
 void sp_tcache_free_sized(void *p, size_t size);
 
 /* The OS thread id (sp_thread_os_id) of the cache that owns p's span, 0 for large blocks,
@@ -292,6 +300,8 @@ extern _Thread_local sp_tcache *sp_tcache_tls __attribute__((tls_model("initial-
 
 void *sp_tcache_alloc_generic(size_t size);
 void sp_tcache_free_generic(void *p);
+void sp_tcache_free_local_generic(void *p); /* as sp_tcache_free_generic, reporting under
+                                               sp_tcache_free_local */
 void sp_tcache_span_emptied(sp_tcache_span *s);
 
 #define SP_TCACHE_INLINE SP_INLINE_FAST_PATHS
@@ -393,7 +403,9 @@ static inline __attribute__((always_inline)) void *sp_tcache_alloc(size_t size) 
     return sp_tcache_alloc_generic(size);
 }
 
-static inline __attribute__((always_inline)) void sp_tcache_free_in_span_(sp_tcache *c, void *p) {
+/* slow: where what the inline checks refuse goes (and is reported under its caller's name). */
+static inline __attribute__((always_inline)) void sp_tcache_free_in_span_(sp_tcache *c, void *p,
+                                                                          void (*slow)(void *)) {
     uintptr_t a = (uintptr_t)p;
     sp_tcache_span *s = sp_tcache_span_of_(a);
     sp_tcache_block *b = (sp_tcache_block *)p;
@@ -404,7 +416,7 @@ static inline __attribute__((always_inline)) void sp_tcache_free_in_span_(sp_tca
         if (__builtin_expect(sp_tcache_push_(s, b, tag), 0)) sp_tcache_span_emptied(s);
         return;
     }
-    sp_tcache_free_generic(p);
+    slow(p);
 }
 
 static inline __attribute__((always_inline)) void sp_tcache_free(void *p) {
@@ -412,18 +424,25 @@ static inline __attribute__((always_inline)) void sp_tcache_free(void *p) {
     if (__builtin_expect(a - sp_tcache_g.span_base <
                              __atomic_load_n(&sp_tcache_g.span_bytes, __ATOMIC_RELAXED),
                          1)) {
-        sp_tcache_free_in_span_(sp_tcache_self(), p);
+        sp_tcache_free_in_span_(sp_tcache_self(), p, sp_tcache_free_generic);
         return;
     }
     sp_tcache_free_generic(p);
 }
 
 static inline __attribute__((always_inline)) void sp_tcache_free_local(void *p) {
+#if defined(SP_DEBUG) && SP_DEBUG >= 1
+    uintptr_t a = (uintptr_t)p; /* debug: the range check stays (a foreign pointer is refused) */
+    if (__builtin_expect(a - sp_tcache_g.span_base <
+                             __atomic_load_n(&sp_tcache_g.span_bytes, __ATOMIC_RELAXED),
+                         1)) {
+#else
     if (__builtin_expect(p != NULL, 1)) {
-        sp_tcache_free_in_span_(sp_tcache_self(), p);
+#endif
+        sp_tcache_free_in_span_(sp_tcache_self(), p, sp_tcache_free_local_generic);
         return;
     }
-    sp_tcache_free_generic(p);
+    sp_tcache_free_local_generic(p);
 }
 #else
 static inline void *sp_tcache_alloc(size_t size) {
@@ -433,7 +452,7 @@ static inline void sp_tcache_free(void *p) {
     sp_tcache_free_generic(p);
 }
 static inline void sp_tcache_free_local(void *p) {
-    sp_tcache_free_generic(p);
+    sp_tcache_free_local_generic(p);
 }
 #endif
 

@@ -87,8 +87,8 @@ TRACK_INTERNAL static void span_format(span *s, cache *c, uint32_t k) {
     uint32_t bs = tcache_class_size(k);
     __atomic_store_n(&s->pub.head, 0, __ATOMIC_RELAXED);
     char *base = span_base(s);
-    s->pub.first32 = (uint32_t)(uintptr_t)(base + class_start(bs, (uint32_t)((char *)s - base) +
-                                                                       SPAN_HEADER));
+    s->pub.first32 =
+        (uint32_t)(uintptr_t)(base + class_start(bs, (uint32_t)((char *)s - base) + SPAN_HEADER));
     span_check_init(&s->pub, bs);
     s->cls = k;
     s->block_size = bs;
@@ -323,8 +323,8 @@ static void span_detach(span *s) {
     uint32_t k = s->cls;
     bool spare = span_used(s) == 0;
     sp_mutex_lock(&tc.orphan_lock);
-    bool take = !spare || atomic_load_explicit(&tc.spare_count[k], memory_order_relaxed) <
-                              tc.keep_detached;
+    bool take =
+        !spare || atomic_load_explicit(&tc.spare_count[k], memory_order_relaxed) < tc.keep_detached;
     if (take) {
         __atomic_store_n(&s->pub.owner, NULL, __ATOMIC_SEQ_CST);
         __atomic_store_n(&s->owner_tid, 0, __ATOMIC_RELAXED);
@@ -770,8 +770,7 @@ TRACK_INTERNAL static void block_free(void *p, const char *call) {
                  * the fallback adopts later is collected with its inbox). */
                 if (__atomic_load_n(&s->pub.owner, __ATOMIC_RELAXED) == &tc.fallback.pub) {
                     sp_mutex_lock(&tc.fallback_lock);
-                    bool own = __atomic_load_n(&s->pub.owner, __ATOMIC_ACQUIRE) ==
-                               &tc.fallback.pub;
+                    bool own = __atomic_load_n(&s->pub.owner, __ATOMIC_ACQUIRE) == &tc.fallback.pub;
                     if (own) block_free_owner(&tc.fallback, s, p);
                     sp_mutex_unlock(&tc.fallback_lock);
                     if (own) return;
@@ -802,6 +801,13 @@ TRACK_INTERNAL void sp_tcache_free_generic(void *p) {
     if (!p) return;
     track_enter();
     block_free(p, "sp_tcache_free");
+    track_leave();
+}
+
+TRACK_INTERNAL void sp_tcache_free_local_generic(void *p) {
+    if (!p) return;
+    track_enter();
+    block_free(p, "sp_tcache_free_local");
     track_leave();
 }
 

@@ -447,6 +447,12 @@ static void test_misuse(void) {
     ok(p == NULL && ts_logged.last_id == SP_ERR_OVERFLOW &&
            strcmp(ts_logged.last_call, "sp_frame_alloc") == 0,
        "size SIZE_MAX - 8: NULL, SP_ERR_OVERFLOW from sp_frame_alloc");
+    ts_log_reset();
+    p = sp_frame_aligned_alloc(a, 16, SIZE_MAX - 8);
+    ok(p == NULL && ts_logged.last_id == SP_ERR_OVERFLOW &&
+           strcmp(ts_logged.last_call, "sp_frame_aligned_alloc") == 0,
+       "aligned_alloc(16, SIZE_MAX - 8): reported under sp_frame_aligned_alloc (it said "
+       "sp_frame_alloc for alignment 16)");
     sp_frame_buffer_status st;
     sp_frame_buffer_status_get(a, 0, &st);
     ok(st.bytes_used == 0 && st.overflows == 0, "refused misuse changes nothing");
@@ -761,7 +767,7 @@ static void test_churn(void) {
 }
 
 int main(void) {
-    plan(51);
+    plan(52);
     for (uint32_t n = 1; n <= 4; n++) test_lifetime(n);
     test_alignment();
     test_chunks();

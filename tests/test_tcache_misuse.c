@@ -149,6 +149,36 @@ static void test_reported(void) {
     ok(sp_tcache_alloc(SIZE_MAX) == NULL && sp_tcache_alloc(SIZE_MAX / 2) == NULL &&
            ts_logged.count == 0,
        "requests that cannot be met: NULL, not misuse");
+    /* free_sized below the request: not detectable (the request is not stored), documented:
+     * the block is freed, nothing reported. */
+    char *sized = sp_tcache_alloc(100);
+    sp_tcache_status mid, gone;
+    sp_tcache_status_get(&mid);
+    ts_log_reset();
+    sp_tcache_free_sized(sized, 1);
+    sp_tcache_status_get(&gone);
+    ok(ts_logged.count == 0 && gone.live_blocks + 1 == mid.live_blocks,
+       "free_sized with a size below the request: freed, nothing reported (as documented)");
+    /* free_local reports under its own name; debug builds keep its range check. */
+    char *twice = sp_tcache_alloc(48);
+    sp_tcache_free_local(twice);
+    ts_log_reset();
+    sp_tcache_free_local(twice);
+    bool named = ts_logged.count == 1 && ts_logged.last_id == SP_ERR_DOUBLE_FREE &&
+                 !strcmp(ts_logged.last_call, "sp_tcache_free_local");
+    ok(named, "free_local of a freed block: SP_ERR_DOUBLE_FREE under sp_tcache_free_local (%s)",
+       ts_logged.count ? ts_logged.last_call : "nothing reported");
+#if SP_DEBUG >= 1
+    static char outside[64] __attribute__((aligned(16)));
+    ts_log_reset();
+    sp_tcache_free_local(outside);
+    ok(ts_logged.count == 1 && ts_logged.last_id == SP_ERR_FOREIGN_POINTER &&
+           !strcmp(ts_logged.last_call, "sp_tcache_free_local"),
+       "debug build: free_local of a pointer outside the heaps is refused, not read "
+       "(SP_ERR_FOREIGN_POINTER under its own name)");
+#else
+    skip("free_local of a foreign pointer: undefined in release builds (documented)");
+#endif
 
     uint64_t me_id = sp_thread_os_id();
     ok(sp_tcache_owner_thread(live) == me_id && sp_tcache_owner_thread(live + 16) == 0 &&
@@ -220,7 +250,7 @@ static void test_fatal(void) {
 }
 
 int main(void) {
-    plan(47);
+    plan(50);
     test_reported();
     test_large_unlocked();
     test_fatal();
