@@ -58,6 +58,8 @@ TRACK_INTERNAL sp_result sp_handle_heap_check(sp_handle_heap *h) {
             CHECK(f->head.id == 0 && (char *)f >= h->base && (char *)f < h->top, f,
                   "listed hole is not a hole");
             CHECK(!f->next || f->next->prev_free == f, f, "hole links broken");
+            CHECK(space_class(f->head.size) == c, f, "hole of %u units on the list of class %u",
+                  (unsigned)f->head.size, c);
             listed++;
         }
     }

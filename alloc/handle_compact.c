@@ -188,7 +188,11 @@ TRACK_INTERNAL static uint32_t below_units(const sp_handle_heap *h, const char *
  * at most 16: packing changes their offsets). */
 TRACK_INTERNAL static int hole_fill_tail(sp_handle_heap *h, step *st, hblk *H) {
     hblk *n = blk_next(H);
-    size_t hbytes = units_bytes(H->size), tot = 0, room = step_room(h, st);
+    /* A call's first move has no estimate to stop it (progress): as a slide's, it takes at
+     * most RUN_CAP bytes, or one larger block (it moved up to RUN_BLOCKS blocks of any size:
+     * 8 MiB on a 50 us budget, 80x over). */
+    const bool first = st->budget_ticks && !st->blocks;
+    size_t hbytes = units_bytes(H->size), tot = 0, room = first ? RUN_CAP : step_room(h, st);
     char *r0 = h->top;
     uint32_t count = 0;
     bool no_room = false;
@@ -196,7 +200,7 @@ TRACK_INTERNAL static int hole_fill_tail(sp_handle_heap *h, step *st, hblk *H) {
         hblk *b = (hblk *)(r0 - units_bytes(u));
         if ((char *)b <= (char *)n || tot + units_bytes(u) > hbytes || !blk_movable(h, b, HUNIT))
             break;
-        if (tot + units_bytes(u) > room) {
+        if (tot + units_bytes(u) > room && !(first && tot == 0)) {
             no_room = true;
             break;
         }

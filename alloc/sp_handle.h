@@ -136,7 +136,8 @@ typedef struct sp_handle_heap_status {
     size_t live_bytes;        /* sum of the sizes asked for by live allocations */
     size_t live_handles;      /* live allocations */
     size_t needed_bytes;      /* what live blocks need here: a 16-byte header each plus the
-                                 size rounded up to 16 (the floor for used_bytes) */
+                                 size rounded up to 16, at least 32 bytes a block (the floor
+                                 for used_bytes) */
     size_t used_bytes;        /* start of heap to top: live blocks, headers, holes */
     size_t hole_bytes;        /* free blocks below the top (headers included) */
     size_t free_bytes;        /* hole_bytes + committed bytes above the top */
@@ -227,7 +228,8 @@ size_t sp_handle_size(sp_handle_heap *h, sp_handle x);
  * Budget: the clock (sp_ticks) is read before every hole and every move; a move whose
  * estimated duration (the bandwidth measured so far, taken at 80%, with 5% of the budget
  * kept for the searches) would overrun the budget is not started, except the first move of a
- * call (every call makes progress; one move is at most 64 KiB, or one larger block).
+ * call (every call makes progress: that move is at most 64 KiB or one larger block, and in
+ * step 5 its two blocks).
  * Afterwards committed memory more than max(16 KiB, used/64) above the top is decommitted
  * down to used/128: 2 MiB at a time while the budget's rest covers that at 25 bytes per ns
  * plus 20 us of system calls (28-36 bytes per ns were measured for pages in use); after a

@@ -7,7 +7,10 @@
  *
  * Lifecycle: sp_tlsf_create places the control structure at the start of the memory it is
  * given and turns the rest into the first pool; sp_tlsf_add_pool adds more (up to
- * SP_TLSF_MAX_POOLS). sp_tlsf_destroy forgets the heap; the memory stays the caller's.
+ * SP_TLSF_MAX_POOLS). sp_tlsf_destroy forgets the heap; the memory stays the caller's. While the
+ * caller leaves that memory as destroy left it, calls through the dead handle are refused:
+ * malloc NULL, status zeros, check and walk SP_ERR_INVALID_ARG (each reported as misuse), free
+ * and the other pointer calls SP_ERR_FOREIGN_POINTER; once the memory is reused, undefined.
  *
  * Concurrency:
  *   heap created with desc.locked = false:  one thread at a time (caller provides exclusion).

@@ -568,8 +568,19 @@ TRACK_INTERNAL SP_INLINE void *heap_malloc(sp_tlsf *t, size_t size) {
     return p;
 }
 
+/* A heap sp_tlsf_destroy left behind (its control structure zeroed; a live heap always has
+ * bytes_total >= the control's size): while the caller has not reused that memory, calls
+ * through it are refused under `call`. */
+static bool heap_destroyed(const sp_tlsf *t, const char *call) {
+    if (SP_LIKELY(t->bytes_total)) return false;
+    sp_misuse(SP_ERR_INVALID_ARG, call, t, "heap %p was destroyed", (const void *)t);
+    return true;
+}
+
 TRACK_INTERNAL void *sp_tlsf_malloc(sp_tlsf *t, size_t size) {
-    return heap_malloc(t, size);
+    void *p = heap_malloc(t, size);
+    if (SP_UNLIKELY(!p)) heap_destroyed(t, "sp_tlsf_malloc"); /* the failure path only */
+    return p;
 }
 
 TRACK_INTERNAL void *sp_tlsf_aligned_alloc(sp_tlsf *t, size_t align, size_t size) {
@@ -695,6 +706,10 @@ TRACK_INTERNAL static size_t heap_bytes_free(const sp_tlsf *t) {
 }
 
 TRACK_INTERNAL void sp_tlsf_status_get(sp_tlsf *t, sp_tlsf_status *out) {
+    if (SP_UNLIKELY(heap_destroyed(t, "sp_tlsf_status_get"))) {
+        memset(out, 0, sizeof *out);
+        return;
+    }
     heap_lock(t);
     size_t bytes_free = heap_bytes_free(t);
     size_t largest = 0;
@@ -717,6 +732,7 @@ TRACK_INTERNAL void sp_tlsf_status_get(sp_tlsf *t, sp_tlsf_status *out) {
 }
 
 TRACK_INTERNAL void sp_tlsf_walk(sp_tlsf *t, sp_tlsf_walker fn, void *user) {
+    if (SP_UNLIKELY(heap_destroyed(t, "sp_tlsf_walk"))) return;
     heap_lock(t);
     for (size_t i = 0; i < t->pool_count; i++) {
         block *end = (block *)(t->pools[i].hi - HEADER);
@@ -745,6 +761,7 @@ TRACK_INTERNAL sp_result sp_tlsf_check(sp_tlsf *t) {
     char why[160];
     const void *bad = NULL;
     size_t used = 0, free_bytes = 0, live = 0, free_count = 0;
+    if (SP_UNLIKELY(heap_destroyed(t, "sp_tlsf_check"))) return SP_ERR_INVALID_ARG;
     heap_lock(t);
     for (size_t i = 0; i < t->pool_count; i++) {
         block *end = (block *)(t->pools[i].hi - HEADER), *prev = NULL, *b;

@@ -521,6 +521,42 @@ static void test_audit_left_holes(void) {
     sp_handle_heap_destroy(hp);
 }
 
+/* The first move of a budgeted call has no estimate to stop it; it moved a whole run of up to
+ * 256 blocks at the top into a hole (8 MiB, 4 ms, on a 1 ns or 50 us budget). Now at most
+ * 64 KiB or one larger block; calls go on making progress until the heap has caught up. */
+static void test_first_move_bound(void) {
+    enum { N = 250, BS = 32 << 10 };
+    sp_handle_heap *hp =
+        sp_handle_heap_create(&(sp_handle_heap_desc){.region_size = 256u << 20}, NULL);
+    static sp_handle t[N];
+    sp_handle big = sp_handle_alloc(hp, (size_t)(N + 4) * (BS + 16), 16);
+    sp_handle mid[8];
+    for (int i = 0; i < 8; i++) mid[i] = sp_handle_alloc(hp, 64 << 10, 16);
+    for (int i = 0; i < N; i++) {
+        t[i] = sp_handle_alloc(hp, BS, 16);
+        memset(sp_handle_resolve(hp, t[i]), i, BS);
+    }
+    sp_handle_free(hp, big);
+    sp_handle_compact_stats st;
+    sp_handle_compact(hp, 1, &st);
+    uint64_t first = st.bytes_moved;
+    int calls = 1;
+    while (!st.caught_up && calls < 5000) {
+        sp_handle_compact(hp, 1, &st);
+        calls++;
+    }
+    bool intact = true;
+    for (int i = 0; i < N; i++) intact &= ts_filled(sp_handle_resolve(hp, t[i]), BS, (uint8_t)i);
+    ok(first > 0 && first <= (64u << 10) && st.caught_up && intact &&
+           sp_handle_heap_check(hp) == SP_OK,
+       "a 1 ns budget: the first move takes at most 64 KiB (%llu bytes), and the calls catch "
+       "up in %d, contents intact",
+       (unsigned long long)first, calls);
+    for (int i = 0; i < 8; i++) sp_handle_free(hp, mid[i]);
+    for (int i = 0; i < N; i++) sp_handle_free(hp, t[i]);
+    sp_handle_heap_destroy(hp);
+}
+
 int main(void) {
     test_huge();
     test_basics();
@@ -530,6 +566,7 @@ int main(void) {
     test_pinned();
     test_relocate();
     test_budget();
+    test_first_move_bound();
     test_region();
     test_audit();
     test_audit_left_holes();

@@ -29,6 +29,45 @@ TRACK_INTERNAL static void pins_set(sp_handle x, uint32_t n) {
     track_leave();
 }
 
+/* File hole hb on the list of the 2-unit class, its counters kept, and return its size (back:
+ * file it from there to where it belongs, `real` the size returned): a hole on the wrong class
+ * list, which space_hole_find would hand out too small. */
+TRACK_INTERNAL static uint32_t misfile(hblk *hb, uint32_t real, bool back) {
+    track_enter();
+    if (!back) real = hb->size;
+    hb->size = back ? 2 : real;
+    space_hole_remove(heap, hb);
+    hb->size = back ? real : 2;
+    space_hole_insert(heap, hb);
+    hb->size = real;
+    /* remove and insert counted the size they saw: put the difference right */
+    if (back)
+        heap->hole_bytes -= units_bytes(real) - units_bytes(2);
+    else
+        heap->hole_bytes += units_bytes(real) - units_bytes(2);
+    track_leave();
+    return real;
+}
+
+/* sp_handle_heap_check says it validates that each hole is on the list of its class; it did
+ * not look. */
+static void test_check_misfiled(void) {
+    sp_handle a = sp_handle_alloc(heap, 100, 0), b = sp_handle_alloc(heap, 5000, 0),
+              c = sp_handle_alloc(heap, 100, 0);
+    hblk *hb = blk_of(sp_handle_resolve(heap, b));
+    sp_handle_free(heap, b);
+    uint32_t real = misfile(hb, 0, false);
+    ts_log_capture();
+    sp_result bad = sp_handle_heap_check(heap);
+    ts_log_release();
+    misfile(hb, real, true);
+    ok(bad == SP_ERR_CORRUPT && sp_handle_heap_check(heap) == SP_OK,
+       "heap check: a hole on the wrong class list is corruption (%s); filed back, sound",
+       sp_result_name(bad));
+    sp_handle_free(heap, a);
+    sp_handle_free(heap, c);
+}
+
 static bool same(const sp_handle_heap_status *a) {
     sp_handle_heap_status b;
     sp_handle_heap_status_get(heap, &b);
@@ -271,7 +310,7 @@ static void test_fatal(void) {
 }
 
 int main(void) {
-    plan(32);
+    plan(33);
     heap = sp_handle_heap_create(&(sp_handle_heap_desc){.may_compact = may_compact}, NULL);
     allow = true;
     test_reported();
@@ -279,6 +318,7 @@ int main(void) {
     test_pin_limit();
     test_limit();
     test_fatal();
+    test_check_misfiled();
     sp_handle_heap_status st;
     sp_handle_heap_status_get(heap, &st);
     ok(st.live_handles == 0 && sp_handle_heap_check(heap) == SP_OK, "nothing left, heap sound");

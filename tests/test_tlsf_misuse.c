@@ -221,10 +221,45 @@ static void test_fatal(void) {
     }
 }
 
+/* A heap used after sp_tlsf_destroy (its memory left as destroy left it): every call refused
+ * and reported; status gave 2^64 free bytes and check a false SP_ERR_CORRUPT. */
+static void walk_count(void *user, void *p, size_t size, bool used) {
+    (void)p, (void)size, (void)used;
+    ++*(int *)user;
+}
+
+static void test_destroyed(void) {
+    static char dead_mem[64 << 10] __attribute__((aligned(16)));
+    sp_tlsf *t = sp_tlsf_create(&(sp_tlsf_desc){.memory = dead_mem, .size = sizeof dead_mem}, NULL);
+    void *p = t ? sp_tlsf_malloc(t, 100) : NULL;
+    if (!t || !p) {
+        ok(0, "destroyed heap: create");
+        return;
+    }
+    sp_tlsf_free(t, p);
+    sp_tlsf_destroy(t);
+    ts_log_capture();
+    void *q = sp_tlsf_malloc(t, 100);
+    sp_tlsf_status st;
+    memset(&st, 0xff, sizeof st);
+    sp_tlsf_status_get(t, &st);
+    sp_result check = sp_tlsf_check(t);
+    int walked = 0;
+    sp_tlsf_walk(t, walk_count, &walked);
+    sp_tlsf_free(t, p);
+    ok(q == NULL && st.bytes_free == 0 && st.bytes_used == 0 && check == SP_ERR_INVALID_ARG &&
+           walked == 0 && ts_logged.count == 5 && ts_logged.last_id == SP_ERR_FOREIGN_POINTER,
+       "a destroyed heap: malloc NULL, status zeros, check SP_ERR_INVALID_ARG, walk nothing, free "
+       "refused; each reported (%d reports)",
+       ts_logged.count);
+    ts_log_release();
+}
+
 int main(void) {
     setup();
     test_reported();
     test_fatal();
+    test_destroyed();
     sp_tlsf_free(heap, live);
     sp_tlsf_free(heap, big);
     return done();
