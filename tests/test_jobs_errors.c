@@ -831,13 +831,13 @@ static void ts_k(void *arg) {
     atomic_store(&ts_k_done, 1);
 }
 
-static void test_audit_stalled_on_thread_stack(void) {
+/* A fixed pool of 2 fibers, both held by parked jobs (waiting on X and on Y, which nothing
+ * reaches), then job k (kfn) submitted and shutdown called: its drain runs k on the main
+ * stack. Returns shutdown's answer; *before: the status before k. */
+static sp_result stalled_case(sp_job_fn kfn, sp_jobs_status *before, sp_jobs_status *after) {
     CFG = &jt_sweep[0];
     sp_jobs_desc desc = {.no_workers = true, .fibers = 2, .fibers_max = 2};
-    if (sp_jobs_create(&S, &desc) != SP_OK) {
-        ok(0, "stalled on the thread stack: create");
-        return;
-    }
+    if (sp_jobs_create(&S, &desc) != SP_OK) return SP_ERR_NOMEM;
     ts_x = counter("X");
     ts_y = counter("Y");
     ts_started = counter("started");
@@ -848,14 +848,26 @@ static void test_audit_stalled_on_thread_stack(void) {
     sp_jobs_submit(S, &j[0], 1, NULL);
     sp_jobs_submit(S, &j[1], 1, NULL);
     sp_counter_wait(ts_started, 0);
-    sp_jobs_status before;
-    sp_jobs_status_get(S, &before);
-    sp_job_desc k = jt_job(ts_k, NULL, "k");
+    sp_jobs_status_get(S, before);
+    ts_k_rc = SP_OK;
+    atomic_store(&ts_k_done, 0);
+    sp_job_desc k = jt_job(kfn, NULL, "k");
     sp_jobs_submit(S, &k, 1, NULL);
     jt_log_reset();
     sp_result r = sp_jobs_shutdown(S);
-    sp_jobs_status st;
-    sp_jobs_status_get(S, &st);
+    sp_jobs_status_get(S, after);
+    return r;
+}
+
+static void stalled_case_end(void) {
+    sp_jobs_destroy(S);
+    S = NULL;
+    jt_log_reset();
+}
+
+static void test_audit_stalled_on_thread_stack(void) {
+    sp_jobs_status before, st;
+    sp_result r = stalled_case(ts_k, &before, &st);
     ok(before.fibers_in_use == 2 && r == SP_ERR_STALLED && ts_k_rc == SP_ERR_STALLED &&
            atomic_load(&ts_k_done) &&
            jt_log_has(SP_ERR_STALLED, "sp_jobs_shutdown", "'parker x'") &&
@@ -866,9 +878,7 @@ static void test_audit_stalled_on_thread_stack(void) {
        "every fiber back (%u in use)",
        sp_result_name(r), sp_result_name(ts_k_rc), st.fibers_in_use);
     if (jt_log_count(SP_ERR_FOREIGN_POINTER, -1)) jt_log_diag();
-    sp_jobs_destroy(S);
-    S = NULL;
-    jt_log_reset();
+    if (S) stalled_case_end();
 }
 
 /* The same with no parked job ready: k, run nested on the main stack by shutdown's drain (no
@@ -883,40 +893,17 @@ static void ts_k_nested(void *arg) {
 }
 
 static void test_audit_stalled_nested(void) {
-    CFG = &jt_sweep[0];
-    sp_jobs_desc desc = {.no_workers = true, .fibers = 2, .fibers_max = 2};
-    if (sp_jobs_create(&S, &desc) != SP_OK) {
-        ok(0, "stalled nested: create");
-        return;
-    }
-    ts_x = counter("X");
-    ts_y = counter("Y");
-    ts_started = counter("started");
-    sp_counter_add(ts_x, 1);
-    sp_counter_add(ts_y, 1);
-    sp_counter_add(ts_started, 2);
-    sp_job_desc j[2] = {jt_job(ts_parker, ts_x, "parker x"), jt_job(ts_parker, ts_y, "parker y")};
-    sp_jobs_submit(S, &j[0], 1, NULL);
-    sp_jobs_submit(S, &j[1], 1, NULL);
-    sp_counter_wait(ts_started, 0);
-    ts_k_rc = SP_OK;
-    atomic_store(&ts_k_done, 0);
-    sp_job_desc k = jt_job(ts_k_nested, NULL, "k");
-    sp_jobs_submit(S, &k, 1, NULL);
-    jt_log_reset();
-    sp_result r = sp_jobs_shutdown(S);
-    sp_jobs_status st;
-    sp_jobs_status_get(S, &st);
-    ok(r == SP_ERR_STALLED && ts_k_rc == SP_ERR_STALLED && atomic_load(&ts_k_done) &&
+    sp_jobs_status before, st;
+    sp_result r = stalled_case(ts_k_nested, &before, &st);
+    ok(before.fibers_in_use == 2 && r == SP_ERR_STALLED && ts_k_rc == SP_ERR_STALLED &&
+           atomic_load(&ts_k_done) &&
            jt_log_has(SP_ERR_STALLED, "sp_jobs_shutdown", "'parker x'") &&
            jt_log_has(SP_ERR_STALLED, "sp_counter_wait", "'k'") && st.fibers_in_use == 0,
        "shutdown, a stalled job waiting nested (no fiber) on the main stack: shutdown returns "
        "(%s); that wait returns %s and the job finishes; every fiber back (%u in use)",
        sp_result_name(r), sp_result_name(ts_k_rc), st.fibers_in_use);
     if (!jt_log_has(SP_ERR_STALLED, "sp_counter_wait", "'k'")) jt_log_diag();
-    sp_jobs_destroy(S);
-    S = NULL;
-    jt_log_reset();
+    if (S) stalled_case_end();
 }
 
 /* Hooks that submit, wait or run a parallel_for: refused as misuse (a wait from a
