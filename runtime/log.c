@@ -85,6 +85,11 @@ void sp_fatal_set(sp_fatal_fn fn, void *user) {
     sink_set(&fatal_sink, (uintptr_t)fn, (uintptr_t)user);
 }
 
+/* Set while this thread runs the installed logger: a record the logger itself causes (it logs
+ * through spindle, or a call it makes fails and reports) goes to stderr, not back into it
+ * (that recursed until the stack ran out). */
+static _Thread_local bool in_logger;
+
 static void log_emit(sp_log_level level, sp_result id, const char *call, const void *addr,
                      const char *fmt, va_list ap) {
     char msg[512];
@@ -92,10 +97,13 @@ static void log_emit(sp_log_level level, sp_result id, const char *call, const v
     sp_log_record rec = {level, id, call, addr, msg};
     uintptr_t fn, user;
     sink_get(&log_sink, &fn, &user);
-    if (fn)
+    if (fn && !in_logger) {
+        in_logger = true;
         ((sp_log_fn)fn)((void *)user, &rec);
-    else
+        in_logger = false;
+    } else {
         log_stderr(NULL, &rec);
+    }
 }
 
 void sp_log(sp_log_level level, sp_result id, const char *call, const void *addr, const char *fmt,

@@ -194,8 +194,19 @@ static bool range_valid(const char *call, const void *p, size_t size) {
     return false;
 }
 
+/* Whether every page of [p, p+size) is mapped, without changing any: msync(MS_ASYNC) fails
+ * (ENOMEM) on a hole and does nothing to anonymous memory. mprotect and madvise change the
+ * mapped part in front of a hole before they fail: checked first, a call on a range with a
+ * hole fails having changed nothing. Reported under `call` (SP_ERR_OS). */
+static sp_result range_mapped(const char *call, void *p, size_t size) {
+    if (SP_LIKELY(size == 0 || msync(p, size, MS_ASYNC) == 0)) return SP_OK;
+    return os_fail(call, p, "msync (not all mapped)", size, errno);
+}
+
 sp_result sp_vm_commit(void *p, size_t size) {
     if (SP_UNLIKELY(!range_valid("sp_vm_commit", p, size))) return SP_ERR_INVALID_ARG;
+    sp_result m = range_mapped("sp_vm_commit", p, size);
+    if (SP_UNLIKELY(m != SP_OK)) return m;
     if (SP_UNLIKELY(mprotect(p, size, PROT_READ | PROT_WRITE) != 0))
         return os_fail("sp_vm_commit", p, "mprotect(RW)", size, errno);
     return SP_OK;
@@ -204,6 +215,8 @@ sp_result sp_vm_commit(void *p, size_t size) {
 sp_result sp_vm_decommit(void *p, size_t size) {
     if (SP_UNLIKELY(!range_valid("sp_vm_decommit", p, size))) return SP_ERR_INVALID_ARG;
     if (size == 0) return SP_OK;
+    sp_result m = range_mapped("sp_vm_decommit", p, size);
+    if (SP_UNLIKELY(m != SP_OK)) return m;
     /* First take the access away: that fails (ENOMEM) where any page of the range is not
      * mapped (released, or never reserved), which MAP_FIXED alone would map afresh and never
      * release. Then mapping fresh PROT_NONE pages over the range drops the old pages: no RSS
@@ -219,6 +232,8 @@ sp_result sp_vm_decommit(void *p, size_t size) {
 
 sp_result sp_vm_purge(void *p, size_t size) {
     if (SP_UNLIKELY(!range_valid("sp_vm_purge", p, size))) return SP_ERR_INVALID_ARG;
+    sp_result m = range_mapped("sp_vm_purge", p, size);
+    if (SP_UNLIKELY(m != SP_OK)) return m;
     if (size && SP_UNLIKELY(madvise(p, size, MADV_DONTNEED) != 0))
         return os_fail("sp_vm_purge", p, "madvise(DONTNEED)", size, errno);
     return SP_OK;
@@ -226,6 +241,8 @@ sp_result sp_vm_purge(void *p, size_t size) {
 
 sp_result sp_vm_guard(void *p, size_t size) {
     if (SP_UNLIKELY(!range_valid("sp_vm_guard", p, size))) return SP_ERR_INVALID_ARG;
+    sp_result m = range_mapped("sp_vm_guard", p, size);
+    if (SP_UNLIKELY(m != SP_OK)) return m;
     if (SP_UNLIKELY(mprotect(p, size, PROT_NONE) != 0))
         return os_fail("sp_vm_guard", p, "mprotect(NONE)", size, errno);
     return SP_OK;

@@ -74,7 +74,11 @@ typedef struct sp_log_record {
 typedef void (*sp_log_fn)(void *user, const sp_log_record *rec);
 
 /* Install a logger; NULL restores the default (stderr). The logger may be called from any
- * thread, concurrently, and must not call back into spindle allocators. */
+ * thread, concurrently, and must not call back into spindle allocators; it must return (not
+ * longjmp). A record that the logger itself causes on its thread (it logs through sp_log, or
+ * a spindle call it makes reports) goes to stderr instead of back into it. Records already
+ * being logged when sp_log_set returns may still reach the old logger: keep its `user` alive
+ * until no thread can still be logging (e.g. until the threads that log are joined). */
 void sp_log_set(sp_log_fn fn, void *user);
 
 /* Emit a record through the current logger (printf-style message). */

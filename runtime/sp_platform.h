@@ -48,7 +48,9 @@ size_t sp_huge_page_size(void);
 void *sp_vm_reserve(size_t size, size_t align, bool huge, sp_page_kind *granted);
 
 /* Make [p, p+size) readable and writable; pages are faulted in on first touch and read as
- * zero the first time. `p` and `size` must be page-aligned. */
+ * zero the first time. `p` and `size` must be page-aligned. A range with any page not mapped
+ * (commit, decommit, purge and guard alike): SP_ERR_OS, logged, nothing changed anywhere in it
+ * (checked first: the OS calls change the part before a hole). */
 sp_result sp_vm_commit(void *p, size_t size);
 
 /* Return the physical pages of [p, p+size) to the OS and make the range inaccessible
@@ -68,7 +70,9 @@ sp_result sp_vm_purge(void *p, size_t size);
 /* Make [p, p+size) inaccessible (a guard): any access faults at once. */
 sp_result sp_vm_guard(void *p, size_t size);
 
-/* Give back a reservation made by sp_vm_reserve (same pointer and size). */
+/* Give back a reservation made by sp_vm_reserve (same pointer and size). Not checked beyond
+ * alignment: releasing twice, or with another size, unmaps whatever is mapped there now (a
+ * later reservation at the same address) and says nothing: undefined, like a double free. */
 void sp_vm_release(void *p, size_t size);
 
 /* ---- CPU, clocks ----------------------------------------------------------------------- */
@@ -100,7 +104,8 @@ typedef void *(*sp_thread_fn)(void *arg);
 
 /* Start a thread running fn(arg), named `name` (may be NULL; truncated to 15 chars).
  * The thread names itself before running fn. Returns SP_ERR_OS if the OS refuses,
- * SP_ERR_NOMEM if the small start record cannot be allocated. */
+ * SP_ERR_NOMEM if the small start record cannot be allocated; NULL out or fn is misuse
+ * (SP_ERR_INVALID_ARG). */
 sp_result sp_thread_start(sp_thread *out, sp_thread_fn fn, void *arg, const char *name);
 
 /* Wait for a thread started by sp_thread_start; returns what its function returned (NULL,
@@ -128,8 +133,10 @@ void sp_futex_wake(uint32_t *addr, int32_t count);
 /* ---- mutex ----------------------------------------------------------------------------- */
 
 /* A futex mutex (0 = unlocked; zero-initialise it). Uncontended lock/unlock: one atomic each.
- * Contended: spins briefly, then sleeps. Not recursive. Unlocking an unlocked mutex is
- * misuse (SP_ERR_INVALID_ARG); the mutex stays unlocked. */
+ * Contended: spins briefly, then sleeps. Unlocking an unlocked mutex is misuse
+ * (SP_ERR_INVALID_ARG); the mutex stays unlocked. It keeps no owner (one word): locking it
+ * again on the thread that holds it deadlocks, and an unlock from another thread releases it
+ * from its holder; neither is detected. */
 typedef struct sp_mutex {
     uint32_t state;
 } sp_mutex;

@@ -161,13 +161,37 @@ static void test_restore_stderr(void) {
     if (!strstr(text, "restored-marker")) diag("stderr held: %s", text);
 }
 
+/* A logger that reports through spindle: the record it causes goes to stderr, not back into
+ * it (it recursed until the stack overflowed). */
+static int forwarding_depth, forwarding_max, forwarding_calls;
+static void forwarding_logger(void *user, const sp_log_record *rec) {
+    (void)user;
+    forwarding_calls++;
+    if (++forwarding_depth > forwarding_max) forwarding_max = forwarding_depth;
+    if (forwarding_depth < 100) /* the bound only keeps a broken build from crashing */
+        sp_log(SP_LOG_INFO, SP_OK, "forwarded", NULL, "forwarded: %s", rec->message);
+    forwarding_depth--;
+}
+
+static void test_logger_reentry(void) {
+    fflush(stderr);
+    sp_log_set(forwarding_logger, NULL);
+    sp_log(SP_LOG_WARN, SP_OK, "sp_test_call", NULL, "original");
+    sp_log_set(NULL, NULL);
+    ok(forwarding_calls == 1 && forwarding_max == 1,
+       "a logger that logs: its own record goes to stderr, not back into it (%d calls, depth "
+       "%d)",
+       forwarding_calls, forwarding_max);
+}
+
 int main(void) {
-    plan(41);
+    plan(42);
     test_result_names();    /* 14 */
     test_capture();         /* 8 */
     test_misuse_nonfatal(); /* 3 */
     test_misuse_fatal();    /* 4 */
     test_die_handler();     /* 5 */
     test_restore_stderr();  /* 2 */
+    test_logger_reentry();  /* 1 */
     return done();
 }

@@ -87,6 +87,31 @@ static size_t resident_pages(const unsigned char *p, size_t n) {
     return r;
 }
 
+/* A range whose last page is not mapped: commit, decommit, purge and guard each fail
+ * (SP_ERR_OS) and leave the mapped pages as they were (mprotect and madvise change the part
+ * before a hole, then fail: a failed decommit took the caller's committed data away). */
+static void test_partial_range(void) {
+    const size_t ps = sp_page_size();
+    unsigned char *p = sp_vm_reserve(4 * ps, 0, false, NULL);
+    if (!p || sp_vm_commit(p, 3 * ps) != SP_OK) {
+        ok(0, "reserve+commit for the partial range");
+        return;
+    }
+    memset(p, 0xAB, 3 * ps);
+    sp_vm_release(p + 3 * ps, ps); /* the last page unmapped */
+    ts_log_capture();
+    sp_result d = sp_vm_decommit(p, 4 * ps), u = sp_vm_purge(p, 4 * ps), g = sp_vm_guard(p, 4 * ps);
+    bool kept = bytes_all(p, 3 * ps, 0xAB); /* still readable: no fault, contents kept */
+    sp_result c = sp_vm_commit(p, 4 * ps);
+    int logged = ts_logged.count;
+    ts_log_release();
+    ok(d == SP_ERR_OS && u == SP_ERR_OS && g == SP_ERR_OS && c == SP_ERR_OS && kept && logged == 4,
+       "decommit, purge, guard and commit of a range with an unmapped page: SP_ERR_OS each, "
+       "logged (%d), the mapped pages untouched (readable, contents kept: %d)",
+       logged, kept);
+    sp_vm_release(p, 3 * ps);
+}
+
 static void test_purge(void) {
     const size_t ps = sp_page_size(), pages = 16;
     unsigned char *p = sp_vm_reserve(pages * ps, 0, false, NULL);
@@ -327,12 +352,13 @@ static void test_futex(void) {
 }
 
 int main(void) {
-    plan(51);
+    plan(52);
     test_page_size();      /* 1 */
     test_reserve_commit(); /* 3 */
     test_alignment();      /* 2 */
     test_decommit_zero();  /* 3 */
     test_purge();          /* 3 */
+    test_partial_range();  /* 1 */
     test_guard();          /* 3 */
     test_huge();           /* 4 */
     test_bad_args();       /* 14 */
