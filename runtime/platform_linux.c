@@ -219,14 +219,13 @@ sp_result sp_vm_commit(void *p, size_t size) {
 sp_result sp_vm_decommit(void *p, size_t size) {
     if (SP_UNLIKELY(!range_valid("sp_vm_decommit", p, size))) return SP_ERR_INVALID_ARG;
     if (size == 0) return SP_OK;
+    /* First make sure every page of the range is mapped (released or never reserved pages
+     * MAP_FIXED would map afresh and never release), then map fresh PROT_NONE pages over it:
+     * that drops the old pages (no RSS left behind, unlike MADV_FREE) and keeps the
+     * reservation NORESERVE. Two system calls, as before the check (an mprotect to NONE found
+     * holes, but changed the pages in front of one first). */
     sp_result m = range_mapped("sp_vm_decommit", p, size);
     if (SP_UNLIKELY(m != SP_OK)) return m;
-    /* First take the access away: that fails (ENOMEM) where any page of the range is not
-     * mapped (released, or never reserved), which MAP_FIXED alone would map afresh and never
-     * release. Then mapping fresh PROT_NONE pages over the range drops the old pages: no RSS
-     * left behind (unlike MADV_FREE), and the reservation stays NORESERVE. */
-    if (SP_UNLIKELY(mprotect(p, size, PROT_NONE) != 0))
-        return os_fail("sp_vm_decommit", p, "mprotect(NONE)", size, errno);
     void *r =
         mmap(p, size, PROT_NONE, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (SP_UNLIKELY(r == MAP_FAILED))
