@@ -797,18 +797,20 @@ TRACK_INTERNAL static void block_free(void *p, const char *call) {
     }
 }
 
-TRACK_INTERNAL void sp_tcache_free_generic(void *p) {
+/* A public free's out-of-line path: NULL is a no-op, anything else block_free under `call`. */
+TRACK_INTERNAL static void free_entry(void *p, const char *call) {
     if (!p) return;
     track_enter();
-    block_free(p, "sp_tcache_free");
+    block_free(p, call);
     track_leave();
 }
 
+TRACK_INTERNAL void sp_tcache_free_generic(void *p) {
+    free_entry(p, "sp_tcache_free");
+}
+
 TRACK_INTERNAL void sp_tcache_free_local_generic(void *p) {
-    if (!p) return;
-    track_enter();
-    block_free(p, "sp_tcache_free_local");
-    track_leave();
+    free_entry(p, "sp_tcache_free_local");
 }
 
 /* Called by the owner when a free made its span empty (inline path or block_free_owner); never
@@ -884,9 +886,7 @@ TRACK_INTERNAL uint64_t sp_tcache_owner_thread(const void *p) {
 void *sp_tcache_realloc(void *p, size_t size) {
     if (!p) return sp_tcache_alloc(size);
     if (size == 0) {
-        track_enter();
-        block_free(p, "sp_tcache_realloc");
-        track_leave();
+        free_entry(p, "sp_tcache_realloc");
         return NULL;
     }
     track_enter();

@@ -310,6 +310,11 @@ static size_t address_room(void) {
     return !read ? SIZE_MAX : lim.rlim_cur > used ? (size_t)(lim.rlim_cur - used) : 0;
 }
 
+/* Half of fibers_max `max`, not below `fibers`. */
+static uint32_t max_halved(uint32_t max, uint32_t fibers) {
+    return max / 2 > fibers ? max / 2 : fibers;
+}
+
 static void jobs_free(sp_jobs *s) {
     if (s->workers) {
         for (uint32_t i = 0; i <= s->nworkers; i++) {
@@ -385,16 +390,15 @@ sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc) {
      * growth need the rest), and settle for less where the OS still refuses, down to a fixed
      * pool (each refusal logged). */
     bool max_default = !desc || desc->fibers_max == 0;
+    uint32_t *max = &s->desc.fibers_max;
     if (max_default) {
         size_t room = address_room(), slot = d.fiber_stack + sp_page_size();
-        while (s->desc.fibers_max > d.fibers && (size_t)s->desc.fibers_max * slot > room / 2)
-            s->desc.fibers_max =
-                s->desc.fibers_max / 2 > d.fibers ? s->desc.fibers_max / 2 : d.fibers;
+        while (*max > d.fibers && (size_t)*max * slot > room / 2) *max = max_halved(*max, d.fibers);
     }
-    r = sp_fiber_pool_create_growing(&s->pool, d.fibers, s->desc.fibers_max, d.fiber_stack);
-    while (r == SP_ERR_OS && max_default && s->desc.fibers_max > d.fibers) {
-        s->desc.fibers_max = s->desc.fibers_max / 2 > d.fibers ? s->desc.fibers_max / 2 : d.fibers;
-        r = sp_fiber_pool_create_growing(&s->pool, d.fibers, s->desc.fibers_max, d.fiber_stack);
+    r = sp_fiber_pool_create_growing(&s->pool, d.fibers, *max, d.fiber_stack);
+    while (r == SP_ERR_OS && max_default && *max > d.fibers) {
+        *max = max_halved(*max, d.fibers);
+        r = sp_fiber_pool_create_growing(&s->pool, d.fibers, *max, d.fiber_stack);
     }
     if (r != SP_OK) goto fail;
     s->drain = sp_counter_create(s, "sp_jobs_shutdown");

@@ -270,8 +270,6 @@ SP_HIDDEN void jobs_piece_run(sp_jobs *s, job *j);
 SP_HIDDEN void jobs_piece_hide(sp_jobs *s, job *j, bool hides);
 /* counter.c */
 SP_HIDDEN SP_NOINLINE void jobs_counter_wake(sp_counter *c);
-/* Report `call` on a destroyed counter c (`what` names the argument) as misuse; returns
- * SP_ERR_INVALID_ARG. */
 /* Call profiling hook `fn` (may be NULL) with the parenthesised `args` on worker w's thread,
  * marked as a hook call: sp_counter_wait and the submits refuse to run inside one (a wait
  * there parked the worker's own thread job under a loop fiber; shutdown later ran that record
@@ -292,6 +290,8 @@ SP_HIDDEN SP_COLD sp_result jobs_hook_misuse(worker *w, const char *call);
  * (reported). A check before a submit takes its records: concurrent raises could pass it
  * together, but only by 2^32 each, against the 2^63 - 2^62 left before the value wraps. */
 SP_HIDDEN sp_result jobs_counter_room(sp_counter *c, uint32_t n, const char *call);
+/* Report `call` on a destroyed counter c (`what` names the argument) as misuse; returns
+ * SP_ERR_INVALID_ARG. */
 SP_HIDDEN SP_COLD sp_result jobs_counter_dead(const sp_counter *c, const char *call,
                                               const char *what);
 /* Mark a counter the runtime owns (keep true) so that sp_counter_destroy refuses it, or hand

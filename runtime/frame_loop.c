@@ -2,7 +2,7 @@
  * between-frames works, and the per-frame statistics record. */
 #include "runtime_internal.h"
 
-#include "jobs_internal.h" /* jobs_records_give_back */
+#include "jobs_internal.h" /* jobs_records_give_back, jobs_worker_of */
 
 #include <string.h>
 
@@ -56,7 +56,7 @@ sp_result sp_submit(const sp_job_desc *jobs, uint32_t count, sp_counter *counter
     /* The main thread's submits are ordered with its own sp_frame_end, and a job's raise the
      * frame counter before the job itself ends (so a frame-counter job's children are waited
      * for with it). Other threads pass the gate. */
-    if (counter != sp_rt.frame_counter || rt_on_worker())
+    if (counter != sp_rt.frame_counter || jobs_worker_of(sp_rt.jobs))
         return sp_jobs_submit(sp_rt.jobs, jobs, count, counter);
     gate_enter();
     sp_result r = sp_jobs_submit(sp_rt.jobs, jobs, count, counter);
@@ -108,8 +108,8 @@ sp_result sp_frame_begin(void) {
 
 /* Every FIBER_TRIM_FRAMES frames, sp_jobs_trim gives back the spare fibers that no wait used
  * over that many frames (a burst of waits, not a steady need) and at most FIBER_TRIM_MAX of
- * the stacks (about 2 us each: a 4,096-fiber burst is given back in about a minute at 60
- * frames a second, never more than ~0.15 ms in one frame). */
+ * the stacks (one madvise each: a 4,096-fiber burst is given back over 64 such frames, about a
+ * minute at 60 frames a second). */
 enum { FIBER_TRIM_FRAMES = 64, FIBER_TRIM_MAX = 64 };
 
 /* Between-frames work within the budget: the main thread's tidy (sp_tcache_tidy: surplus

@@ -55,10 +55,6 @@ sp_result rt_main_only(const char *call) {
     return SP_ERR_INVALID_ARG;
 }
 
-bool rt_on_worker(void) {
-    return jobs_worker_of(sp_rt.jobs) != NULL;
-}
-
 sp_result rt_frame_loop_only(const char *call) {
     sp_result r = rt_main_only(call);
     if (r != SP_OK || SP_LIKELY(!sp_rt.in_between)) return r;
@@ -702,7 +698,7 @@ void *sp_persistent_alloc(size_t size, size_t align) {
  * allocations are not ordered with sp_frame_end's buffer flip. */
 static sp_frame_arena *arena_for_caller(const char *call) {
     if (!rt_is_up(call)) return NULL;
-    if (SP_UNLIKELY(!rt_main && !rt_on_worker())) {
+    if (SP_UNLIKELY(!rt_main && !jobs_worker_of(sp_rt.jobs))) {
         sp_misuse(SP_ERR_INVALID_ARG, call, sp_rt.arena,
                   "called from %s: the frame arena is for jobs and the main thread (a buffer "
                   "may be reclaimed under other threads); use the thread caches",

@@ -124,10 +124,6 @@ SP_HIDDEN void rt_quiescent(void);
 /* Wake the reclaimer if anything was retired. */
 SP_HIDDEN void rt_reclaim_kick(void);
 
-/* Whether the calling thread is one of the runtime scheduler's workers (the main thread is
- * worker 0), in a job or not. */
-SP_HIDDEN bool rt_on_worker(void);
-
 /* Handle heap's compaction gate: the main thread, outside frames, no job in flight. */
 SP_HIDDEN bool rt_may_compact(void *user);
 
