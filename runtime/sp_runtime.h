@@ -326,8 +326,8 @@ sp_result sp_frame_begin(void);
 /* Close the frame (main thread, outside jobs): wait for the frame counter (the main thread
  * runs jobs meanwhile), move the arena to the next buffer and reclaim the one that comes
  * round, let the thread caches give back surplus spans (every 64th frame also the scheduler
- * the spare fibers no wait used over those 64 frames: sp_jobs_trim, at most 64 stacks, about
- * 2 us each), run the between-frames works in registration order and then handle-heap
+ * the spare fibers no wait used over those 64 frames: sp_jobs_trim, at most 64 stacks, one
+ * madvise each), run the between-frames works in registration order and then handle-heap
  * compaction within desc.between_budget_ns, report the main thread's quiescent state (its
  * only one: see the top of this file), and close the frame's statistics record. Returns SP_OK,
  * SP_ERR_SHUTDOWN before init, SP_ERR_INVALID_ARG (logged) without an open frame, from a job,
