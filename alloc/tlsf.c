@@ -570,9 +570,12 @@ TRACK_INTERNAL SP_INLINE void *heap_malloc(sp_tlsf *t, size_t size) {
 
 /* A heap sp_tlsf_destroy left behind (its control structure zeroed; a live heap always has
  * bytes_total >= the control's size): while the caller has not reused that memory, calls
- * through it are refused under `call`. */
-static bool heap_destroyed(const sp_tlsf *t, const char *call) {
-    if (SP_LIKELY(t->bytes_total)) return false;
+ * through it are refused under `call` (reported with the lock released). */
+static bool heap_destroyed(sp_tlsf *t, const char *call) {
+    heap_lock(t); /* bytes_total grows with add_pool, under the lock */
+    bool live = t->bytes_total != 0;
+    heap_unlock(t);
+    if (SP_LIKELY(live)) return false;
     sp_misuse(SP_ERR_INVALID_ARG, call, t, "heap %p was destroyed", (const void *)t);
     return true;
 }
