@@ -8,10 +8,10 @@
  *   remote  producer threads allocate 16..256 bytes and hand each block through a
  *           single-producer single-consumer ring to a consumer thread that frees it
  *           (workers:2 = one pair, workers:4 = two pairs); ns_per_pair = wall time / blocks.
- *           Thread t runs on CPU t % CPUs: a pair's threads on different CPUs.
  *   server  larson-style: threads replace random slots of one shared array of 8192 blocks
  *           with new blocks of 16..512 bytes and free what they took out (most frees are of
  *           another thread's block); ns_per_pair = wall time / replacements.
+ * In every case thread t runs on CPU t % CPUs (a remote pair's threads on different CPUs).
  * Every case also reports peak_rss_kb: the growth of the process's peak resident set during
  * the case (the peak is reset through /proc/self/clear_refs just before it starts; 0 if the
  * kernel refuses). The ring and the shared array cost the same for every allocator; the local
@@ -243,10 +243,12 @@ static __attribute__((noinline)) void server_process(int t, size_t n) {
     server_run(false, t, n);
 }
 
-/* remote: the threads of a pair on different CPUs (thread t on CPU t % CPUs), for every
- * allocator alike. Left to the scheduler, the two sometimes share a CPU (taking turns through
- * sched_yield) and sometimes not, and the peers' times differ about 10x between the two
- * (bench/README.md, "Corrections from an audit"). Returns the old mask to restore. */
+/* Thread t on CPU t % CPUs, in every case and for every allocator alike. Left to the
+ * scheduler, a remote pair sometimes shares a CPU (taking turns through sched_yield) and
+ * sometimes not, and the peers' times differ about 10x between the two (bench/README.md,
+ * "Corrections from an audit"); two local threads sometimes shared a CPU for part of a sample
+ * (a scratch program's per-thread times: 5.2-6.2 ns unpinned, 4.0-4.7 pinned, spindle's loop).
+ * Returns the old mask to restore. */
 static bool pin_thread(int t, cpu_set_t *old) {
     if (pthread_getaffinity_np(pthread_self(), sizeof *old, old) != 0) return false;
     int cpus = CPU_COUNT(old), k = t % (cpus > 0 ? cpus : 1), cpu = -1;
@@ -275,7 +277,7 @@ static void run_case(bench_state *st, const void *varg) {
     const bench_arg *a = varg;
     int t = bench_thread_index(st), n = bench_threads(st);
     cpu_set_t old_mask;
-    bool pinned = a->k == REMOTE && pin_thread(t, &old_mask);
+    bool pinned = pin_thread(t, &old_mask);
     region mem;
     op *ops = NULL;
     warm_classes(a->spindle, a->k == SERVER ? SERVER_MAX : LOCAL_MAX);
