@@ -13,20 +13,21 @@
  * chunks for it), so in a steady frame loop each thread writes memory its own core wrote last
  * (why: bench/README.md, "Sticky chunks"); otherwise it takes a fresh chunk, one atomic add: a
  * chunk that nobody asked to keep, or the next one up. A kept chunk whose thread does not come
- * back for it is lost for that frame. An arena has records for 64 threads (a thread keeps its
- * record for the arena's life, also when it alternates with another arena of its slot); threads
- * beyond claim fresh chunks only, each counted by an atomic add. A request of any size that fits
- * the rest of the thread's chunk comes from it; one that does not and is above chunk_size / 4
- * (or aligned above it), and the last bytes of a full buffer, take their own range from the top
- * down (a compare-exchange loop). The calling thread's chunk is found on every call through a
- * fresh thread-pointer read (SP_TLS_FRESH, as the thread caches do), never from an address kept
- * across a call: a job that waits and resumes on another worker allocates from that worker's
- * chunk. A chunk is valid only while its generation matches the arena's; generations come from
- * one process-wide counter taken at create and at every advance, so a thread's chunk of an older
- * frame or of another (or a destroyed) arena is never used, and no per-thread registry exists.
- * Each thread keeps one chunk per arena slot (SP_FRAME_SLOTS; an arena's slot is its creation
- * number mod SP_FRAME_SLOTS): a thread alternating between two arenas of one slot takes a new
- * chunk at each switch (the old chunk's rest is lost until reclaim).
+ * back for it is lost for that frame; at most half a buffer's chunks are kept (when the threads
+ * of a frame kept more, the buffer's next round keeps none and every claim is fresh). An arena has
+ * records for 64 threads (a thread keeps its record for the arena's life, also when it alternates
+ * with another arena of its slot); threads beyond claim fresh chunks only, each counted by an
+ * atomic add. A request of any size that fits the rest of the thread's chunk comes from it; one
+ * that does not and is above chunk_size / 4 (or aligned above it), and the last bytes of a full
+ * buffer, take their own range from the top down (a compare-exchange loop). The calling thread's
+ * chunk is found on every call through a fresh thread-pointer read (SP_TLS_FRESH, as the thread
+ * caches do), never from an address kept across a call: a job that waits and resumes on another
+ * worker allocates from that worker's chunk. A chunk is valid only while its generation matches the
+ * arena's; generations come from one process-wide counter taken at create and at every advance, so
+ * a thread's chunk of an older frame or of another (or a destroyed) arena is never used, and no
+ * per-thread registry exists. Each thread keeps one chunk per arena slot (SP_FRAME_SLOTS; an
+ * arena's slot is its creation number mod SP_FRAME_SLOTS): a thread alternating between two arenas
+ * of one slot takes a new chunk at each switch (the old chunk's rest is lost until reclaim).
  *
  * Running out (a buffer has no room for a chunk or a request): with SP_FRAME_OVERFLOW_NULL
  * the call returns NULL; with SP_FRAME_OVERFLOW_HEAP the request goes to heap_alloc (default:

@@ -723,6 +723,35 @@ static void test_churn(void) {
        b2 - m0, c4 - m0, m4 - m0);
     sp_frame_arena_destroy(churn_arena);
 
+    /* A buffer of 8 chunks: a thread that kept all 8 and does not come back would leave the
+     * next round nothing; at most half the chunks are kept, so all 8 are fresh instead. Half (4)
+     * kept: reserved, a new thread's fresh claim above them; 5 kept: none reserved. */
+    ptrdiff_t at[3] = {-1, -1, -1}; /* offsets from the first chunk; -1: NULL */
+    for (int kept = 8; kept >= 4; kept -= 4) {
+        churn_arena = make(2, 16u << 10, 1024, SP_FRAME_OVERFLOW_NULL);
+        churn_n = kept * 64; /* kept chunks of 64 blocks */
+        base = churn_alloc_on_new_thread();
+        churn_n = 1;
+        sp_frame_arena_advance(churn_arena, NULL);
+        sp_frame_arena_advance(churn_arena, NULL);
+        char *q = churn_alloc_on_new_thread();
+        if (q) at[kept / 4 - 1] = q - base;
+        sp_frame_arena_destroy(churn_arena);
+    }
+    churn_arena = make(2, 16u << 10, 1024, SP_FRAME_OVERFLOW_NULL);
+    char *h0 = sp_frame_alloc(churn_arena, 16);
+    for (int i = 1; i < 5 * 64; i++) sp_frame_alloc(churn_arena, 16);
+    sp_frame_arena_advance(churn_arena, NULL);
+    sp_frame_arena_advance(churn_arena, NULL);
+    char *late = churn_alloc_on_new_thread();
+    if (late) at[2] = late - h0;
+    ok(at[1] == 0 && at[0] == 4096 && at[2] == 0,
+       "a buffer's 8 chunks all kept by a thread that does not come back: the next round keeps "
+       "none (a new thread's first chunk: %td); 4 kept (half): reserved, fresh above (%td); 5 "
+       "kept by the main thread: none reserved (%td)",
+       at[1], at[0], at[2]);
+    sp_frame_arena_destroy(churn_arena);
+
     /* More threads than claim records (64 per buffer): every claim counted. */
     enum { THREADS = 70 };
     churn_arena = make(2, 1u << 20, 1024, SP_FRAME_OVERFLOW_NULL);
@@ -767,7 +796,7 @@ static void test_churn(void) {
 }
 
 int main(void) {
-    plan(52);
+    plan(53);
     for (uint32_t n = 1; n <= 4; n++) test_lifetime(n);
     test_alignment();
     test_chunks();
