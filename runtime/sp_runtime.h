@@ -62,9 +62,13 @@
  *   sp_thread_online                                         attach racing sp_shutdown
  *                                                            fails (SP_ERR_SHUTDOWN) or
  *                                                            makes it refuse, or both
- *   sp_status_get                                            any thread (the frame figures
- *                                                            of another thread's call may
- *                                                            lag by a frame)
+ *   sp_status_get                                            any thread, not concurrently
+ *                                                            with sp_init or sp_shutdown
+ *                                                            (it would read the runtime's
+ *                                                            figures while they are set
+ *                                                            or cleared); the frame
+ *                                                            figures of another thread's
+ *                                                            call may lag by a frame
  * Frame arena memory must not be allocated while sp_frame_end flips the buffers: jobs on
  * counters of your own that outlive a frame may use the thread caches and the handle heap,
  * not the arena, and neither may the frame-counter jobs they submit (such a submit is not
@@ -237,7 +241,8 @@ void sp_thread_offline(void);
 void sp_thread_online(void);
 
 /* The runtime's figures into *out (initialised false, the rest zero, when it is not up). Any
- * thread. A NULL out is misuse (SP_ERR_INVALID_ARG reported, nothing written; debug builds
+ * thread, but not while another thread runs sp_init or sp_shutdown (see the table above). A
+ * NULL out is misuse (SP_ERR_INVALID_ARG reported, nothing written; debug builds
  * abort). */
 void sp_status_get(sp_status *out);
 
