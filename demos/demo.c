@@ -5,16 +5,19 @@
  * 4 KiB, with a size mix that drifts over time). Every frame:
  *   - the main thread spawns and despawns entities (holes for the compactor);
  *   - an update job runs a parallel_for over the entities: each piece pins its entities,
- *     checks their payload, moves them, and writes a render record for each into this
- *     frame's arena (lock-free bump allocation per worker);
+ *     checks their payload, moves them, and writes a render record for each into memory it
+ *     allocates from this frame's arena (lock-free bump allocation on the worker running it);
  *   - each piece also sends "events" (thread-cache blocks) to a mailbox that the next frame's
  *     pieces free, usually on another worker (remote frees);
  *   - a render job (after the update, through a counter) walks last frame's and this frame's
- *     render records - last frame's arena data is still valid - and checks them;
+ *     render records - last frame's arena data is still valid - and checks each against a
+ *     hash of its entity id and position, and that they cover every entity of their frame;
  *   - sp_frame_end waits for the jobs, flips the arena, tidies the caches and compacts the
  *     handle heap within the between-frames budget.
  * Prints a line of figures a second and a summary; exits non-zero if any payload, render
- * record or event was damaged, or if anything leaked (handles, thread-cache blocks).
+ * record or event was damaged, if anything leaked (handles, thread-cache blocks), if a runtime
+ * call failed, a piece found no arena memory, a spawn found the handle heap full, or the
+ * output could not be written.
  *
  *   spindle-demo [SECONDS] [ENTITIES]     defaults: 2 seconds, 20000 entities
  * Bad arguments (not a number, out of range, trailing characters, more than two) print the
@@ -33,6 +36,10 @@
 #define MAX_ENTITIES 200000
 #define GRAIN 256
 #define MAILBOXES (MAX_ENTITIES / GRAIN + 1) /* one per GRAIN entities */
+/* Calls of update_range a frame: each covers at most GRAIN entities, and parallel_for splits
+ * no piece below GRAIN / 2, so fewer than 4 per GRAIN entities (checked: an overflow counts as
+ * damage). */
+#define MAX_PIECES (4 * MAILBOXES + 64)
 
 typedef struct entity {
     uint32_t id;
@@ -44,7 +51,14 @@ typedef struct entity {
 typedef struct render_rec {
     uint32_t id;
     float pos[2];
+    uint32_t check; /* render_check(id, pos) */
 } render_rec;
+
+/* The render records of one update_range call: entities [begin, end), in arena memory. */
+typedef struct render_piece {
+    uint32_t begin, end;
+    const render_rec *recs;
+} render_piece;
 
 typedef struct event {
     struct event *next;
@@ -58,10 +72,11 @@ typedef struct world {
     uint32_t next_id;
     uint64_t frame;
     uint64_t rng;
-    render_rec *render[2]; /* this frame's and last frame's records (arena memory) */
-    uint32_t render_count[2];
-    event *mail[MAILBOXES]; /* events sent last frame, freed by this frame's piece */
-    atomic_uint_fast64_t damaged, events_checked, render_checked;
+    render_piece pieces[2][MAX_PIECES]; /* this frame's and last frame's records */
+    atomic_uint piece_count[2];
+    uint32_t render_count[2]; /* entities updated in that frame */
+    event *mail[MAILBOXES];   /* events sent last frame, freed by this frame's piece */
+    atomic_uint_fast64_t damaged, events_checked, render_checked, arena_refused;
     uint64_t failed_spawns; /* handle heap full (main thread only) */
     sp_counter *updated;
 } world;
@@ -73,6 +88,18 @@ static uint64_t rng_next(uint64_t *s) {
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9u;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebu;
     return z ^ (z >> 31);
+}
+
+static uint32_t float_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+/* Nonzero for a zeroed record too: a cleared or reused buffer fails the check. */
+static uint32_t render_check(uint32_t id, const float pos[2]) {
+    return (id * 0x9e3779b1u) ^ (float_bits(pos[0]) * 0x85ebca77u) ^
+           (float_bits(pos[1]) * 0xc2b2ae3du) ^ 0x27d4eb2fu;
 }
 
 /* Size mix drifting with time: mostly small early, larger later, and back. */
@@ -124,7 +151,17 @@ static void update_range(void *arg, uint64_t begin, uint64_t end) {
     uint64_t first_box = (begin + GRAIN - 1) / GRAIN;
     for (uint64_t c = first_box; c * GRAIN < end; c++) mail_collect(c);
     bool has_box = first_box * GRAIN < end;
-    render_rec *out = W.render[W.frame & 1];
+    /* This call's render records, from the frame arena on the worker running it. */
+    render_rec *out = sp_arena_alloc(sizeof(render_rec) * (end - begin));
+    if (out) {
+        unsigned k = atomic_fetch_add(&W.piece_count[W.frame & 1], 1);
+        if (k < MAX_PIECES)
+            W.pieces[W.frame & 1][k] = (render_piece){(uint32_t)begin, (uint32_t)end, out};
+        else
+            atomic_fetch_add(&W.damaged, 1);
+    } else {
+        atomic_fetch_add(&W.arena_refused, 1);
+    }
     for (uint64_t i = begin; i < end; i++) {
         entity *e = sp_handle_pin(W.heap, W.ents[i]);
         if (!e) {
@@ -135,7 +172,9 @@ static void update_range(void *arg, uint64_t begin, uint64_t end) {
             if (e->payload[k] != (uint8_t)(e->id + k)) atomic_fetch_add(&W.damaged, 1);
         e->pos[0] += e->vel[0] * 0.016f;
         e->pos[1] += e->vel[1] * 0.016f;
-        out[i] = (render_rec){e->id, {e->pos[0], e->pos[1]}};
+        if (out)
+            out[i - begin] =
+                (render_rec){e->id, {e->pos[0], e->pos[1]}, render_check(e->id, e->pos)};
         sp_handle_unpin(W.heap, W.ents[i]);
         if (has_box && i % 64 == 0) {
             event *ev = sp_tcache_alloc(sizeof *ev + (i % 200));
@@ -153,16 +192,29 @@ static void update_job(void *arg) {
     sp_parallel_for(sp_scheduler(), 0, W.count, GRAIN, update_range, NULL);
 }
 
-/* After the update: this frame's records are complete, last frame's are still valid. */
+/* After the update: this frame's records are complete, last frame's are still valid. Each
+ * record must match its hash and come from an entity that existed; the pieces of a frame must
+ * cover exactly the entities it updated. */
 static void render_job(void *arg) {
     (void)arg;
     for (int b = 0; b < 2; b++) {
-        const render_rec *r = W.render[b];
-        if (!r) continue;
-        for (uint32_t i = 0; i < W.render_count[b]; i += 97) {
-            if (r[i].id >= W.next_id) atomic_fetch_add(&W.damaged, 1);
-            atomic_fetch_add(&W.render_checked, 1);
+        unsigned n = atomic_load(&W.piece_count[b]);
+        if (n > MAX_PIECES) n = MAX_PIECES;
+        uint64_t covered = 0, checked = 0;
+        for (unsigned k = 0; k < n; k++) {
+            const render_piece *p = &W.pieces[b][k];
+            covered += p->end - p->begin;
+            for (uint32_t i = 0; i < p->end - p->begin; i++) {
+                const render_rec *r = &p->recs[i];
+                if (r->check != render_check(r->id, r->pos) || r->id >= W.next_id)
+                    atomic_fetch_add(&W.damaged, 1);
+            }
+            checked += p->end - p->begin;
         }
+        /* A frame with refused pieces covers fewer (counted there, not as damage). */
+        if (covered != W.render_count[b] && atomic_load(&W.arena_refused) == 0)
+            atomic_fetch_add(&W.damaged, 1);
+        atomic_fetch_add(&W.render_checked, checked);
     }
 }
 
@@ -193,6 +245,7 @@ int main(int argc, char **argv) {
         fprintf(help ? stdout : stderr,
                 "usage: %s [SECONDS (0-3600], default 2] [ENTITIES 1-%d, default 20000]\n", argv[0],
                 MAX_ENTITIES / 2);
+        if (help && (fflush(stdout) != 0 || ferror(stdout))) return 1;
         return help ? 0 : 2;
     }
     sp_desc desc = {0};
@@ -208,9 +261,6 @@ int main(int argc, char **argv) {
     sp_jobs_status js;
     sp_jobs_status_get(sp_scheduler(), &js);
     static const char *pages[] = {"normal", "transparent huge", "huge"};
-    printf("spindle-demo: %.0f entities, %.1f s; %u workers + main thread; %zu MiB reserved "
-           "(%s pages)\n",
-           entities, seconds, js.workers, st.reserved >> 20, pages[st.pages]);
 
     W.heap = sp_handles();
     W.rng = 42;
@@ -219,28 +269,40 @@ int main(int argc, char **argv) {
     sp_tcache_status_get(&t0);
     while (W.count < (uint32_t)entities && spawn()) {
     }
+    printf("spindle-demo: %u entities, %.1f s; %u workers + main thread; %zu MiB reserved "
+           "(%s pages)\n",
+           W.count, seconds, js.workers, st.reserved >> 20, pages[st.pages]);
+    /* A runtime call that failed: counted, named once, and the exit status says so. */
+    uint64_t failed_calls = W.updated ? 0 : 1;
+    const char *first_failure = W.updated ? NULL : "sp_counter_create";
+#define CALL(expr)                                                                                 \
+    do {                                                                                           \
+        sp_result call_r_ = (expr);                                                                \
+        if (call_r_ != SP_OK && failed_calls++ == 0) {                                             \
+            first_failure = #expr;                                                                 \
+            fprintf(stderr, "spindle-demo: %s: %s\n", #expr, sp_result_name(call_r_));             \
+        }                                                                                          \
+    } while (0)
 
     uint64_t start = sp_time_ns(), last_print = start, frames = 0, moved = 0, overflows = 0;
     uint64_t worst_frame = 0, jobs = 0;
-    for (;;) {
-        sp_frame_begin();
+    while (W.updated) {
+        CALL(sp_frame_begin());
         /* Churn: despawn ~1%, spawn back to the target (the size mix drifts). */
         for (uint32_t k = 0; k < entities / 100 + 1 && W.count; k++)
             despawn((uint32_t)(rng_next(&W.rng) % W.count));
         while (W.count < (uint32_t)entities && spawn()) {
         }
-        W.render[W.frame & 1] = sp_arena_alloc(sizeof(render_rec) * W.count);
-        W.render_count[W.frame & 1] = W.render[W.frame & 1] ? W.count : 0;
-        if (W.render[W.frame & 1]) {
-            sp_job_desc update = {.fn = update_job, .name = "update"};
-            sp_job_desc render = {.fn = render_job, .name = "render"};
-            sp_submit(&update, 1, W.updated);
-            /* The render job waits for the update (deferred on its counter), the frame for the
-             * render job (the frame counter); the update's own counter is waited for here. */
-            sp_jobs_submit_after(sp_scheduler(), W.updated, 0, &render, 1, sp_frame_counter());
-        }
-        sp_counter_wait(W.updated, 0);
-        sp_frame_end();
+        atomic_store(&W.piece_count[W.frame & 1], 0);
+        W.render_count[W.frame & 1] = W.count;
+        sp_job_desc update = {.fn = update_job, .name = "update"};
+        sp_job_desc render = {.fn = render_job, .name = "render"};
+        CALL(sp_submit(&update, 1, W.updated));
+        /* The render job waits for the update (deferred on its counter), the frame for the
+         * render job (the frame counter); the update's own counter is waited for here. */
+        CALL(sp_jobs_submit_after(sp_scheduler(), W.updated, 0, &render, 1, sp_frame_counter()));
+        CALL(sp_counter_wait(W.updated, 0));
+        CALL(sp_frame_end());
         W.frame++;
         frames++;
         sp_frame_stats fs;
@@ -270,20 +332,28 @@ int main(int argc, char **argv) {
     /* Tear down: free the world, two empty frames reclaim the arena, then check the figures. */
     free_world();
     for (int i = 0; i < 2; i++) {
-        sp_frame_begin();
-        sp_frame_end();
+        CALL(sp_frame_begin());
+        CALL(sp_frame_end());
     }
     sp_tcache_trim();
     sp_handle_heap_status hs;
     sp_handle_heap_status_get(W.heap, &hs);
-    sp_counter_destroy(W.updated);
+    if (W.updated) sp_counter_destroy(W.updated);
     uint64_t damaged = atomic_load(&W.damaged);
+    uint64_t refused = atomic_load(&W.arena_refused);
     printf("spindle-demo: %" PRIu64 " frames in %.2f s (%.0f fps, worst %.2f ms), %" PRIu64
            " jobs, %" PRIu64 " MiB compacted, %" PRIu64 " arena overflows; checked %" PRIu64
            " events, %" PRIu64 " render records: %" PRIu64 " damaged\n",
            frames, elapsed, frames / elapsed, worst_frame / 1e6, jobs, moved >> 20, overflows,
            (uint64_t)atomic_load(&W.events_checked), (uint64_t)atomic_load(&W.render_checked),
            damaged);
+    if (refused)
+        printf("spindle-demo: %" PRIu64 " update pieces found no arena memory for their render "
+               "records\n",
+               refused);
+    if (failed_calls)
+        printf("spindle-demo: %" PRIu64 " runtime calls failed, the first %s\n", failed_calls,
+               first_failure);
     /* Blocks not freed: live ones, less the freed ones still in their owners' inboxes (the
      * main thread freed the last events, most of them remotely). */
     sp_tcache_status t1;
@@ -298,5 +368,9 @@ int main(int argc, char **argv) {
                kept1, kept0);
     r = sp_shutdown();
     if (r != SP_OK) printf("spindle-demo: sp_shutdown: %s\n", sp_result_name(r));
-    return damaged || leaked || r != SP_OK ? 1 : 0;
+    bool written = fflush(stdout) == 0 && !ferror(stdout);
+    if (!written) fprintf(stderr, "spindle-demo: writing the output failed\n");
+    return damaged || leaked || refused || failed_calls || W.failed_spawns || r != SP_OK || !written
+               ? 1
+               : 0;
 }

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The flagship demo under the test harness (TAP): a short run exits 0 (nothing damaged, nothing
-# leaked: the demo checks both), malformed arguments get the usage and exit 2, --help exit 0.
+# leaked: the demo checks both), malformed arguments get the usage and exit 2, --help exit 0, and
+# a run whose output cannot be written exits 1.
 # usage: test_demo.sh SPINDLE_DEMO
 set -uo pipefail
 demo=$1
-echo "1..3"
+echo "1..4"
 out=$("$demo" 0.5 3000 2>&1)
 rc=$?
 if [[ $rc == 0 && $out == *" 0 damaged"* ]]; then
@@ -27,3 +28,10 @@ if [[ $bad == 0 ]]; then echo "ok 2 - malformed arguments: usage on stderr, exit
 out=$("$demo" --help 2>/dev/null)
 rc=$?
 if [[ $rc == 0 && $out == usage:* ]]; then echo "ok 3 - --help: usage on stdout, exit 0"; else echo "not ok 3 - --help: exit $rc"; fi
+if [[ -w /dev/full ]]; then
+    "$demo" 0.1 100 >/dev/full 2>/dev/null
+    rc=$?
+    if [[ $rc == 1 ]]; then echo "ok 4 - output to a full device: exit 1"; else echo "not ok 4 - output to a full device: exit $rc"; fi
+else
+    echo "ok 4 # SKIP no writable /dev/full"
+fi
