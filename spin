@@ -52,7 +52,8 @@ usage: ./spin COMMAND [ARGS]
                        (concurrency), release (unit, soak, benchmark smoke), Valgrind,
                        the aarch64 cross build (compiled, not run), libFuzzer (fuzz); ends
                        with the line "N passed, N failed"; exit status non-zero if
-                       anything failed
+                       anything failed; meson commands stop after SPIN_BUDGET seconds
+                       (default 1380) in all
   bench [AREA...] [FLAGS]
                        release build, then bench/run build-release AREA [FLAGS] for each
                        AREA (default: every bench_AREA executable built); FLAGS such as
@@ -61,7 +62,7 @@ usage: ./spin COMMAND [ARGS]
   help                 this text
 
 test and bench first make sure these Debian packages are installed (installing them when run
-as root, printing the apt-get line otherwise):
+as root or with password-less sudo, printing the apt-get line otherwise):
 EOF
     printf '  %s\n' "${PACKAGES[*]}"
     printf 'demo only these:\n  %s\n' "${DEMO_PACKAGES[*]}"
@@ -80,9 +81,18 @@ elapsed() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
 
 # ---- packages ----------------------------------------------------------------------------
 
-# Whether Debian package $1 is installed (one line per installed architecture: any will do).
+# Whether Debian package $1 is installed: a name without an architecture for the machine's own
+# (or for all: meson is one), not only another architecture's copy (dpkg-query lists every
+# installed one, such as the arm64 liburcu-dev of the cross build).
+NATIVE_ARCH=
 installed() {
-    dpkg-query -W -f='${Status}\n' "$1" 2>/dev/null | grep -qx 'install ok installed'
+    local want='[a-z0-9]+' # NAME:ARCH: dpkg-query lists that architecture's copy only
+    if [[ $1 != *:* ]]; then
+        [[ -n $NATIVE_ARCH ]] || NATIVE_ARCH=$(dpkg --print-architecture 2>/dev/null)
+        want=$NATIVE_ARCH
+    fi
+    dpkg-query -W -f='${Status} ${Architecture}\n' "$1" 2>/dev/null |
+        grep -qxE "install ok installed ($want|all)"
 }
 
 # ensure_packages [ARRAY_NAME]: the packages of that array (default PACKAGES).
@@ -100,20 +110,31 @@ ensure_packages() {
         add_arch="dpkg --add-architecture arm64"
     fi
 
+    # Root installs; another user through sudo when it needs no password (CI runners), else
+    # the command is printed.
+    local sudo=()
     if ((EUID != 0)); then
-        {
-            say "spin: missing Debian packages: ${missing[*]}"
-            say "spin: install them with:"
-            say "${add_arch:+sudo $add_arch && }sudo apt-get update && sudo apt-get install -y ${missing[*]}"
-        } >&2
-        exit 1
+        if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+            sudo=(sudo -n)
+        else
+            {
+                say "spin: missing Debian packages: ${missing[*]}"
+                say "spin: install them as root with:"
+                say "${add_arch:+$add_arch && }apt-get update && apt-get install -y ${missing[*]}"
+            } >&2
+            exit 1
+        fi
     fi
     heading "installing missing packages: ${missing[*]}"
     INSTALLED= # the build directories' stamps see the new set
-    if [[ -n $add_arch ]]; then $add_arch || die "$add_arch failed"; fi
-    apt-get update </dev/null || die "apt-get update failed"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y "${missing[@]}" </dev/null ||
-        die "apt-get install failed"
+    if [[ -n $add_arch ]]; then
+        "${sudo[@]}" dpkg --add-architecture arm64 || die "$add_arch failed"
+    fi
+    # Wait for another apt (unattended upgrades) rather than fail on its lock.
+    local apt=(apt-get -o DPkg::Lock::Timeout=300)
+    "${sudo[@]}" "${apt[@]}" update </dev/null || die "apt-get update failed"
+    "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y "${missing[@]}" \
+        </dev/null || die "apt-get install failed"
     for p in "${missing[@]}"; do
         installed "$p" || die "package $p still not installed"
     done
@@ -123,9 +144,11 @@ ensure_packages() {
 
 # setup_dir DIR ENV_ARRAY_NAME OPTS_ARRAY_NAME
 # Configures DIR if it is missing. A stamp inside DIR records the environment and options it
-# was configured with; if they changed since (or DIR was configured by hand), DIR is wiped
-# and configured afresh, since a changed compiler or sanitizer cannot be applied in place.
-# A directory whose configuration meson can no longer load is wiped too.
+# was configured with, and every build option meson then held; if either changed since (DIR
+# configured by hand, or changed with `meson configure`), DIR is removed and configured
+# afresh (not `meson setup --wipe`, which keeps the options the new command line does not
+# name), since a changed compiler or sanitizer cannot be applied in place. A directory whose
+# configuration meson can no longer load is removed too.
 # The stamp also lists which of PACKAGES are installed: meson looks for optional dependencies
 # (Google Benchmark, the peers, a C++ compiler) only when it configures, so a directory
 # configured before they were installed (`./spin demo` installs only DEMO_PACKAGES) is
@@ -142,6 +165,17 @@ installed_packages() {
     printf '%s\n' "$INSTALLED"
 }
 
+# Every build option meson holds for DIR, one name=value line each (empty if it cannot say).
+build_options() {
+    meson introspect --buildoptions "$1" 2>/dev/null | python3 -c '
+import json, sys
+try:
+    opts = json.load(sys.stdin)
+except ValueError:
+    sys.exit(0)
+print("\n".join(sorted("%s=%s" % (o["name"], o["value"]) for o in opts)))'
+}
+
 setup_dir() {
     local dir=$1
     local -n env_ref=$2 opts_ref=$3
@@ -152,17 +186,14 @@ setup_dir() {
         "$(installed_packages)")
 
     if [[ -f $dir/meson-private/coredata.dat ]]; then
-        if [[ -f $stamp && $(<"$stamp") == "$want" ]]; then
+        if [[ -f $stamp && $(<"$stamp") == "$want"$'\n'"$(build_options "$dir")" ]]; then
             return 0
         fi
-        say "spin: $dir was configured differently: wiping and configuring again"
-        rm -f "$stamp"
-        env "${env_ref[@]}" meson setup --wipe "$dir" "${opts_ref[@]}" </dev/null || return 1
-    else
-        rm -f "$stamp"
-        env "${env_ref[@]}" meson setup "$dir" "${opts_ref[@]}" </dev/null || return 1
+        say "spin: $dir was configured differently: removing it and configuring again"
     fi
-    printf '%s\n' "$want" >"$stamp"
+    rm -rf "$dir"
+    env "${env_ref[@]}" meson setup "$dir" "${opts_ref[@]}" </dev/null || return 1
+    printf '%s\n%s\n' "$want" "$(build_options "$dir")" >"$stamp"
 }
 
 # ---- steps of `spin test` ----------------------------------------------------------------
@@ -180,13 +211,30 @@ record() {
     fi
 }
 
-# timed LABEL CMD...: run CMD, print and keep its wall time, return its status.
+# `spin test` starts no meson command after this time (seconds since the epoch; empty: no
+# limit) and stops one still running then, so that a hang still ends with the closing line.
+DEADLINE=
+
+# timed LABEL CMD...: run CMD, print and keep its wall time, return its status (124: stopped
+# or not started for the time budget).
 timed() {
-    local label=$1 t0 rc
+    local label=$1 t0 rc left
     shift
     t0=$(now)
-    "$@" </dev/null
-    rc=$?
+    if [[ -n $DEADLINE && $1 == meson ]]; then
+        left=$(awk -v d="$DEADLINE" -v n="$(now)" 'BEGIN { printf "%d", d - n }')
+        if ((left <= 0)); then
+            say "spin: the time budget (SPIN_BUDGET) is spent: '$label' not run"
+            rc=124
+        else
+            timeout --kill-after=30 "$left" "$@" </dev/null
+            rc=$?
+            ((rc == 124)) && say "spin: '$label' stopped at the end of the time budget (SPIN_BUDGET)"
+        fi
+    else
+        "$@" </dev/null
+        rc=$?
+    fi
     local secs
     secs=$(elapsed "$t0")
     say "---- $label: ${secs} s (exit status $rc)"
@@ -253,9 +301,18 @@ check_libfuzzer() {
 }
 
 cmd_test() {
-    ensure_packages
+    # A failure before the steps still ends with the closing line CI reads.
+    if ! (ensure_packages); then
+        python3 "$ROOT/.ci/summary.py" --step "packages:1:"
+        return 1
+    fi
+    INSTALLED=
     local t_all
     t_all=$(now)
+    # The whole run within SPIN_BUDGET seconds (default 23 minutes: CI allows 25).
+    local budget=${SPIN_BUDGET:-1380}
+    [[ $budget =~ ^[0-9]+$ ]] || budget=1380
+    DEADLINE=$(awk -v t="$t_all" -v b="$budget" 'BEGIN { printf "%d", t + b }')
     # Stale logs of every build dir this command uses are removed up front.
     rm -f build-{debug,tsan,release,valgrind,aarch64,fuzz}/meson-logs/{testlog,benchlog}*.json
 
@@ -275,7 +332,9 @@ cmd_test() {
         if has_benchmarks build-release; then
             test_step release-bench-smoke build-release benchlog --benchmark
         else
-            say "spin: no benchmarks registered in build-release (bench not built): smoke skipped"
+            # libbenchmark-dev and g++ are installed by now: no benchmarks means a broken setup.
+            say "spin: no benchmarks registered in build-release: smoke not run"
+            record release-bench-smoke 1
         fi
     fi
 
@@ -408,7 +467,11 @@ main() {
     case $cmd in
     demo) cmd_demo "$@" ;;
     test)
-        (($# == 0)) || die "test takes no arguments"
+        if (($# != 0)); then
+            printf 'spin: test takes no arguments\n' >&2
+            python3 "$ROOT/.ci/summary.py" --step "arguments:1:"
+            return 1
+        fi
         cmd_test
         ;;
     bench) cmd_bench "$@" ;;

@@ -9,15 +9,16 @@ Each LOG is a meson `testlog*.json` (or `--logbase` variant): one JSON object pe
 
 A --step names one step of a run (a build, or a `meson test` call), its exit status, and the
 log it should have written (may be empty). A step that exited non-zero without a failing
-result in its log (a broken configure or build, meson itself failing, a missing log) counts
-as one failure, so a broken build can never end in "0 failed".
+result in its log (a broken configure or build, meson itself failing) counts as one failure,
+so a broken build can never end in "0 failed"; so does a step whose log is missing or holds
+no test result (a `meson test` call that selected nothing exits 0 and writes no log).
 
 With neither steps nor logs, reads build-*/meson-logs/testlog*.json and benchlog*.json
 under the current directory.
 
-Prints per-step figures and the names of failed tests, then, as the last line,
-`N passed, N failed` (`, N skipped` only when some were skipped). Exit status: 1 when
-anything failed, else 0. Python 3 standard library only.
+Prints per-step figures, the names of failed tests and the number skipped, then, as the last
+line, exactly `N passed, N failed`. Exit status: 1 when anything failed, else 0. Python 3
+standard library only.
 """
 
 import glob
@@ -115,8 +116,11 @@ def main(argv):
             f = 1
             names.append("step failed with exit status %d%s" %
                          (rc, " (" + note + ")" if note else ""))
-        elif rc == 0 and log and p + f + s == 0 and not note:
-            note = "no test results"
+        elif rc == 0 and log and p + f + s == 0:
+            # It ran nothing that we can see: a missing suite or log is a failure too.
+            note = note or "no test results"
+            f = 1
+            names.append(note)
         elif rc == 0 and not log:
             p = 1  # a check without a test log (a cross build) that succeeded
         total_p += p
@@ -131,11 +135,10 @@ def main(argv):
         print(line)
     for line in failures:
         print("  FAILED " + line)
-    closing = "%d passed, %d failed" % (total_p, total_f)
     if total_s:
-        closing += ", %d skipped" % total_s
+        print("%d skipped" % total_s)
     sys.stdout.flush()
-    print(closing)
+    print("%d passed, %d failed" % (total_p, total_f))
     return 1 if total_f else 0
 
 
