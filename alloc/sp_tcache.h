@@ -97,6 +97,15 @@ typedef struct sp_tcache_desc {
     uint32_t keep_detached; /* spares per class: empty spans of detached caches kept, still
                                cut into blocks, for other caches (0: 8); a detaching cache's
                                empty spans beyond that go back to the central heap */
+    bool tidy_orphans;      /* for programs that never call sp_tcache_tidy: the alloc slow
+                               path (at most 16 orphans) and each thread's detach (the rest of
+                               the pass) go on with the walk over the orphans, only when blocks
+                               were freed into orphans since the last walk and only if no
+                               other thread holds the orphan lock, and return those remote
+                               frees emptied; without
+                               it they wait for a tidy or a trim, or for a cache to adopt
+                               them. Set when the caches initialise lazily (a first call
+                               without sp_tcache_init, as in the malloc drop-in) */
     bool explicit_attach;   /* threads get a cache of their own only from
                                sp_tcache_thread_attach; the others share the fallback cache
                                under its lock, each told once in its life (SP_LOG_WARN,
@@ -173,14 +182,14 @@ size_t sp_tcache_trim(void);
  * the cache keeps fewer than keep_empty, else returned); current spans (even empty), kept empty
  * spans, spares and the shared fallback cache stay (sp_tcache_trim returns those). If blocks
  * were freed into orphaned spans since the orphans were last walked (by any thread's tidy or
- * trim), the orphans are walked and those left empty returned too. Returns the bytes returned
- * to the central heap. Any thread. Cost: bounded whatever the heap holds - the inbox of each
- * class's current span, and of at most 16 of the other spans, going on where the last call
- * stopped (a cache holding more is walked over several calls: a span remote frees emptied
- * may wait that many calls to be returned); the cache's lock per span emptied, the heap lock
- * per span returned; only when orphans were freed into, the orphan lock and at most 16
- * orphans a call (a pass over all of them takes as many calls as it needs, and an orphan
- * emptied behind it waits for the next pass). */
+ * trim, or with tidy_orphans its slow path or detach), the orphans are walked and those left
+ * empty returned too. Returns the bytes returned to the central heap. Any thread. Cost:
+ * bounded whatever the heap holds - the inbox of each class's current span, and of at most 16
+ * of the other spans, going on where the last call stopped (a cache holding more is walked
+ * over several calls: a span remote frees emptied may wait that many calls to be returned);
+ * the cache's lock per span emptied, the heap lock per span returned; only when orphans were
+ * freed into, the orphan lock and at most 16 orphans a call (a pass over all of them takes as
+ * many calls as it needs, and an orphan emptied behind it waits for the next pass). */
 size_t sp_tcache_tidy(void);
 
 /* ---- allocation: inline fast paths below, their out-of-line rest in tcache.c ------------- */
@@ -198,12 +207,13 @@ size_t sp_tcache_tidy(void);
  *                                                 range check stays and it is refused as for
  *                                                 sp_tcache_free
  * Cost: alloc is a table lookup and a pop; free is the pointer checks and a push (bench
- * `tcache local`: bench/README.md has the ratios to the peers); the slow path takes the span's
- * inbox, then (only while the class has at most 8 other spans) another span's free blocks if
- * they are half a page's worth, then a spare of the class; then, in order, the span's unused
- * tail, another span, a kept empty span, an orphan, a spare of another class or a new span
- * from the central heap (one lock); a span without free blocks cuts new ones, those that
- * start in the 4 KiB page holding its next uncut block.
+ * `tcache local`: bench/README.md has the ratios to the peers); the slow path (with
+ * tidy_orphans, first a try at the orphans' walk: sp_tcache_desc) takes the span's inbox,
+ * then (only while the class has at most 8 other spans) another span's free blocks if they
+ * are half a page's worth, then a spare of the class; then, in order, the span's unused tail,
+ * another span, a kept empty span, an orphan, a spare of another class or a new span from the
+ * central heap (one lock); a span without free blocks cuts new ones, those that start in the
+ * 4 KiB page holding its next uncut block.
  * alloc returns NULL when the heaps cannot grow. */
 
 /* Zeroed array of n * size bytes; NULL on overflow or out of memory. */

@@ -395,6 +395,9 @@ static span *spare_take(cache *c, uint32_t k, bool any_class) {
  * kept empty spans, orphans, a spare of another class or a new span (RING_SCAN says why a
  * long ring is not searched first). */
 TRACK_INTERNAL static sp_tcache_block *class_refill(cache *c, uint32_t k) {
+    /* Orphans emptied by remote frees go back here too where nobody calls sp_tcache_tidy
+     * (tidy_orphans): else they would pile up, threads coming and going. */
+    if (tc.tidy_orphans) tcache_orphans_tidy(false);
     span *s = (span *)c->pub.cur[k];
     bool current = s != &tcache_sentinel;
     if (current && span_collect(s, c)) return span_free(s);
@@ -585,6 +588,7 @@ void sp_tcache_thread_detach(void) {
     sp_tcache_tls = &unattached.pub;
     if (tc.tss_ok) tss_set(tc.tss, NULL);
     tcache_destroy(c);
+    if (tc.tidy_orphans) tcache_orphans_tidy(true); /* a thread's exit: the whole pass */
 }
 
 /* Whether the calling thread, not attached, now has a cache of its own: not after its exit
@@ -920,6 +924,8 @@ static uintptr_t key_make(void) {
 
 static sp_result init_locked(const sp_tcache_desc *desc) {
     sp_tcache_desc d = desc ? *desc : (sp_tcache_desc){0};
+    /* Lazily initialised (no sp_tcache_init: the malloc drop-in), no frame loop tidies. */
+    if (!desc) d.tidy_orphans = true;
     if (d.max_class == 0) d.max_class = 32 * 1024;
     if (d.max_class > SP_TCACHE_MAX_CLASS_LIMIT)
         return sp_misuse(SP_ERR_INVALID_ARG, "sp_tcache_init", NULL, "max_class %zu is above %zu",
@@ -957,6 +963,7 @@ static sp_result init_locked(const sp_tcache_desc *desc) {
     tc.own_region = !d.region;
     tc.keep_empty = d.keep_empty;
     tc.keep_detached = d.keep_detached;
+    tc.tidy_orphans = d.tidy_orphans;
     tc.explicit_attach = d.explicit_attach;
     sp_tcache_g.key = key_make();
     classes_init((uint32_t)d.max_class);

@@ -33,7 +33,7 @@ typedef struct tcache_state {
     bool own_region;
     heap spans, large;
     uint32_t max_class, class_count, keep_empty, keep_detached;
-    bool explicit_attach;
+    bool explicit_attach, tidy_orphans;
     /* direct[] entries of class k: [direct_first[k], direct_end[k]) (end 0: none) */
     uint8_t direct_first[SP_TCACHE_CLASSES], direct_end[SP_TCACHE_CLASSES];
 
@@ -115,5 +115,10 @@ SP_HIDDEN size_t tcache_span_emptied(cache *c, span *s); /* bytes returned: 0 if
 SP_HIDDEN uint32_t span_collect(span *s, cache *c);
 SP_HIDDEN void span_release(span *s);
 SP_HIDDEN bool tcache_block_check(span *s, const void *p, const char *call);
+/* The orphans' upkeep without tidy calls (tidy_orphans): when frees reached orphans since the
+ * last walk, the walk goes on for TCACHE_TIDY_SPANS of them (the alloc slow path) or to the
+ * end of its pass (a thread's detach), if the orphan lock is free (a try, never a wait). Any
+ * lock but the orphan and heap locks may be held. */
+SP_HIDDEN void tcache_orphans_tidy(bool whole_pass);
 
 #endif

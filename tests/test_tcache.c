@@ -622,6 +622,80 @@ static void test_tidy_orphans_bounded(void) {
        trimmed, after);
 }
 
+/* Orphans that remote frees emptied, with tidy_orphans and without: a thread allocates one
+ * block in each of ORPHAN_CLASSES classes and exits (that many orphans), the main thread frees
+ * the blocks (into the orphans' inboxes); then a thread that only attaches and exits, and the
+ * main thread's first allocation in a class it has not used (its slow path). */
+enum { ORPHAN_CLASSES = 20 };
+static void *orphan_blocks[ORPHAN_CLASSES];
+
+static void *one_per_class(void *arg) {
+    (void)arg;
+    for (int i = 0; i < ORPHAN_CLASSES; i++)
+        orphan_blocks[i] = sp_tcache_alloc(16 + 48 * (size_t)i);
+    return NULL;
+}
+
+static void *attach_and_exit(void *arg) {
+    (void)arg;
+    sp_tcache_thread_attach();
+    return NULL;
+}
+
+static size_t orphans_now(void) {
+    size_t n = 0;
+    for (uint32_t k = 0; k < SP_TCACHE_CLASSES; k++)
+        n += atomic_load_explicit(&tc.orphan_count[k], memory_order_relaxed);
+    return n;
+}
+
+/* Orphans added: by the thread, after the attach-and-exit thread, after one slow path. */
+static void orphans_emptied(size_t n[3], size_t slow_size) {
+    sp_thread t;
+    size_t before = orphans_now();
+    sp_thread_start(&t, one_per_class, NULL, "sp-orphans");
+    sp_thread_join(t);
+    for (int i = 0; i < ORPHAN_CLASSES; i++) sp_tcache_free(orphan_blocks[i]);
+    n[0] = orphans_now() - before;
+    sp_thread_start(&t, attach_and_exit, NULL, "sp-attach");
+    sp_thread_join(t);
+    n[1] = orphans_now() - before;
+    void *p = sp_tcache_alloc(slow_size);
+    n[2] = orphans_now() - before;
+    sp_tcache_free(p);
+}
+
+/* Initialised by sp_tcache_init (tidy_orphans not set): they wait for a tidy (the control). */
+static void test_orphans_wait(void) {
+    size_t n[3];
+    orphans_emptied(n, 30000);
+    ok(!tc.tidy_orphans && n[0] > 16 && n[1] == n[0] && n[2] == n[0],
+       "without tidy_orphans, orphans that remote frees emptied stay through a thread's exit and "
+       "a slow path (%zu, then %zu, %zu)",
+       n[0], n[1], n[2]);
+    sp_tcache_trim();
+}
+
+/* Initialised lazily (as in the malloc drop-in): with no tidy call, the slow path walks 16 of
+ * them and a thread's exit the rest of the pass (an audit's program, threads coming and going,
+ * grew without bound before). */
+static void test_orphans_tidied(void) {
+    size_t n[3], m[1];
+    orphans_emptied(n, 30000); /* the exit returns them all */
+    sp_thread t;
+    sp_thread_start(&t, one_per_class, NULL, "sp-orphans");
+    sp_thread_join(t);
+    size_t before = orphans_now();
+    for (int i = 0; i < ORPHAN_CLASSES; i++) sp_tcache_free(orphan_blocks[i]);
+    void *p = sp_tcache_alloc(20000); /* a class the main thread has not used: a slow path */
+    m[0] = before - orphans_now();
+    sp_tcache_free(p);
+    ok(tc.tidy_orphans && n[0] > 16 && n[1] == 0 && n[2] == 0 && m[0] == 16,
+       "initialised lazily, a thread's exit returns every orphan remote frees emptied (%zu of "
+       "%zu left) and a slow path 16 of them (%zu)",
+       n[1], n[0], m[0]);
+}
+
 static sp_mutex attached_lock; /* held by main while the attached thread must stay */
 
 static void *stays_attached(void *arg) {
@@ -778,7 +852,7 @@ static void test_fallback_counted(void) {
 }
 
 int main(void) {
-    plan(57);
+    plan(59);
     sp_tcache_desc desc = {.region_size = (size_t)1 << 30, .keep_detached = 2};
     ok(sp_tcache_init(&desc) == SP_OK, "init");
     test_classes();
@@ -796,6 +870,7 @@ int main(void) {
     test_tidy();
     test_tidy_bounded();
     test_tidy_orphans_bounded();
+    test_orphans_wait();
     test_shutdown_refused();
     test_heap_status();
     test_fork_locks();
@@ -811,5 +886,6 @@ int main(void) {
     void *p = sp_tcache_alloc(10);
     ok(p != NULL, "first alloc after shutdown initialises again (defaults)");
     sp_tcache_free(p);
+    test_orphans_tidied();
     return done();
 }
