@@ -423,12 +423,17 @@ void sp_futex_wait(uint32_t *addr, uint32_t expected, uint64_t timeout_ns) {
         ts.tv_nsec = (long)(timeout_ns % 1000000000u);
         tsp = &ts;
     }
-    /* EAGAIN (value differs), EINTR and ETIMEDOUT all mean "return": callers re-check. */
+    /* EAGAIN (value differs), EINTR and ETIMEDOUT all mean "return": callers re-check. errno
+     * is left as it was: a lock taken inside free() must not change it (POSIX). */
+    int saved = errno;
     syscall(SYS_futex, addr, FUTEX_WAIT_PRIVATE, expected, tsp, NULL, 0);
+    errno = saved;
 }
 
 void sp_futex_wake(uint32_t *addr, int32_t count) {
+    int saved = errno;
     syscall(SYS_futex, addr, FUTEX_WAKE_PRIVATE, count, NULL, NULL, 0);
+    errno = saved;
 }
 
 /* ---- mutex ----------------------------------------------------------------------------- */

@@ -124,7 +124,8 @@ void sp_thread_yield(void);
 /* ---- futex ----------------------------------------------------------------------------- */
 
 /* Sleep while *addr == expected, at most timeout_ns (0 = no limit). May wake spuriously.
- * Process-private futex. *addr must be accessed atomically by everyone else. */
+ * Process-private futex. *addr must be accessed atomically by everyone else. Both calls leave
+ * errno as it was (sp_mutex and so free() of the malloc drop-in go through them). */
 void sp_futex_wait(uint32_t *addr, uint32_t expected, uint64_t timeout_ns);
 
 /* Wake up to `count` threads sleeping on addr (INT32_MAX for all). */

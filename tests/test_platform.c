@@ -328,9 +328,16 @@ static void test_futex(void) {
        (double)dt / 1e6);
 
     t0 = sp_time_ns();
-    sp_futex_wait(&word, 8, 2000000000u);
+    errno = 1234;
+    sp_futex_wait(&word, 8, 2000000000u); /* EAGAIN from the kernel */
+    int after_wait = errno;
+    sp_futex_wake(&word, 1);
     dt = sp_time_ns() - t0;
     ok(dt < 500000000u, "wait on a different value returns at once (%.3f ms)", (double)dt / 1e6);
+    ok(after_wait == 1234 && errno == 1234,
+       "futex wait and wake leave errno as it was (%d, %d; a lock inside free() must not change "
+       "it)",
+       after_wait, errno);
 
     waker w = {0};
     sp_thread t;
@@ -352,7 +359,7 @@ static void test_futex(void) {
 }
 
 int main(void) {
-    plan(52);
+    plan(53);
     test_page_size();      /* 1 */
     test_reserve_commit(); /* 3 */
     test_alignment();      /* 2 */
