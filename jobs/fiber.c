@@ -223,7 +223,8 @@ sp_result sp_fiber_pool_create_growing(sp_fiber_pool **out, uint32_t count, uint
                          (void *)out, count, max, stack_size);
     const size_t page = sp_page_size();
     size_t stack = sp_align_up(stack_size, page), region_size, bytes;
-    if (SP_UNLIKELY(stack < stack_size || !size_mul_add(max, stack + page, page, &region_size) ||
+    if (SP_UNLIKELY(stack < stack_size || stack + page < stack ||
+                    !size_mul_add(max, stack + page, page, &region_size) ||
                     !size_mul_add(max, sizeof(sp_fiber), sizeof(sp_fiber_pool), &bytes))) {
         sp_log(SP_LOG_WARN, SP_ERR_OVERFLOW, "sp_fiber_pool_create", NULL,
                "%u fibers of %zu bytes overflow the address space", max, stack_size);

@@ -2,16 +2,21 @@
  *
  * A pool owns `count` fibers, each with an mmap'd stack of `stack_size` bytes (rounded up to
  * pages) and an inaccessible guard page below it, so an overflow faults at once instead of
- * corrupting the neighbouring stack. A thread that wants to run fibers first gets a fiber
- * handle for its own stack (sp_fiber_thread_enter), switches to pooled fibers, and is switched
- * back to. Switching is cooperative: sp_fiber_switch(from, to) suspends `from`, the running
- * fiber, and resumes `to`. Context switch: a few instructions of assembly per architecture;
+ * corrupting the neighbouring stack - provided the code running on it probes frames larger
+ * than a page (gcc and clang: -fstack-clash-protection, which spindle is built with and
+ * Debian's compilers do not turn on by default): a larger frame compiled without it can step
+ * over the guard page into the next fiber's stack. A thread that wants to run fibers first gets a
+ * fiber handle for its own stack (sp_fiber_thread_enter), switches to pooled fibers, and is
+ * switched back to. Switching is cooperative: sp_fiber_switch(from, to) suspends `from`, the
+ * running fiber, and resumes `to`. Context switch: a few instructions of assembly per architecture;
  * -Dfiber_backend=ucontext: glibc swapcontext, which takes 62-63x the assembly switch's time in
  * the same process (bench/README.md, area `fiber`: one system call per switch). The switch
  * keeps the FP control state per fiber; an ldmxcsr that changes MXCSR's status flags is an
  * order of magnitude slower than the whole switch (bench/README.md, "The MXCSR slowdown"), so
  * the switch restores only the control bits (the ABI's callee-saved part) and keeps the
- * current flags: see the asm file.
+ * current flags: see the asm file. The ucontext backend differs there: swapcontext restores
+ * the whole MXCSR (status flags included) and the signal mask per fiber, so a resumed fiber
+ * gets its own old flags and mask, also on another thread.
  *
  * Order: sp_fiber_pool_create, then acquire/switch/release any number of times, then
  * sp_fiber_pool_destroy once every fiber is released. Per thread: sp_fiber_thread_enter

@@ -25,6 +25,11 @@ void sp_fiber_ctx_init(sp_fiber_ctx *ctx, void *stack_lo, size_t stack_size,
     uintptr_t p = (uintptr_t)ctx;
     makecontext(&ctx->uc, (void (*)(void))ctx_trampoline, 2, (unsigned)(p >> 16 >> 16),
                 (unsigned)(p & 0xffffffffu));
+    /* Only makecontext reads the stack fields. Cleared, they keep ASan's swapcontext
+     * interceptor from unpoisoning the whole stack at every resume, which erased the redzones
+     * of the frames live on it (an overflow of one went unreported). */
+    ctx->uc.uc_stack.ss_sp = NULL;
+    ctx->uc.uc_stack.ss_size = 0;
 }
 
 void sp_fiber_ctx_switch(sp_fiber_ctx *from, sp_fiber_ctx *to) {

@@ -128,7 +128,10 @@ typedef struct sp_jobs_desc {
     uint32_t fibers;      /* fibers made at create (default 128) */
     uint32_t fibers_max;  /* the pool doubles on demand up to this (default 32 * fibers; set it
                              to fibers for a fixed pool): bounds the jobs parked at once */
-    size_t fiber_stack;   /* bytes per fiber stack (default 256 KiB; committed as touched) */
+    size_t fiber_stack;   /* bytes per fiber stack (default 256 KiB; committed as touched),
+                             a guard page below each: job code with frames above a page must
+                             be built with -fstack-clash-protection for an overflow to fault
+                             there rather than write into the next stack */
     uint32_t max_jobs;    /* job records in flight (default 65536): a job submitted alone,
                              pinned or in a mixed-priority batch takes one until it returns;
                              a batch of unpinned same-priority jobs takes one per piece it is

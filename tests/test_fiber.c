@@ -425,6 +425,12 @@ static void test_growth(void) {
     ok(sp_fiber_pool_create_growing(&none, 4, 3, 4096) == SP_ERR_INVALID_ARG && none == NULL &&
            ts_logged.count == 1 && ts_logged.last_id == SP_ERR_INVALID_ARG,
        "a growing pool with max below count: SP_ERR_INVALID_ARG, reported");
+    /* A stack size whose slot (stack + guard page) wraps: refused, not a pool of empty slots. */
+    none = (sp_fiber_pool *)1;
+    sp_result wrap = sp_fiber_pool_create(&none, 4, SIZE_MAX - sp_page_size() + 1);
+    ok(wrap == SP_ERR_OVERFLOW && none == NULL,
+       "a stack size whose slot wraps the address space: SP_ERR_OVERFLOW (%s)",
+       sp_result_name(wrap));
     ts_log_release();
 }
 
@@ -659,7 +665,7 @@ static void test_misuse(sp_fiber_pool *pool) {
 }
 
 int main(void) {
-    plan(53);
+    plan(54);
     sp_fiber_pool *pool = NULL;
     is_int(sp_fiber_pool_create(&pool, 32, STACK), SP_OK, "create a pool of 32 fibers");
     main_fiber = sp_fiber_thread_enter();
