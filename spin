@@ -227,7 +227,12 @@ timed() {
             say "spin: the time budget (SPIN_BUDGET) is spent: '$label' not run"
             rc=124
         else
-            timeout --kill-after=30 "$left" "$@" </dev/null
+            # On a terminal, --foreground keeps meson in the terminal's process group, so that
+            # Ctrl-C still stops it (its own test processes are then not killed at the end of
+            # the budget); CI has no terminal.
+            local fg=()
+            [[ -t 0 ]] && fg=(--foreground)
+            timeout "${fg[@]}" --kill-after=30 "$left" "$@" </dev/null
             rc=$?
             ((rc == 124)) && say "spin: '$label' stopped at the end of the time budget (SPIN_BUDGET)"
         fi

@@ -30,10 +30,10 @@
  * Invariants: floor * chunk_size <= hi, except for fresh claims racing past the end (refused,
  * and lo <= chunks + threads < 2^LO_BITS); every direct range lies at or above hi. So chunks
  * and direct ranges never overlap; a reserved chunk whose thread does not come back for it is
- * lost until the reclaim (a hole the next time round). More than MAX_HOLES holes, or more than
- * half the buffer's chunks kept: the next round reserves nothing (every claim fresh; the
- * records' lists then refill), so that at most half a buffer is ever held for threads that may
- * not come back. A thread holds
+ * lost until the reclaim (a hole the next time round). More than MAX_HOLES holes, or a kept
+ * chunk in the upper half of the buffer: the next round reserves nothing (every claim fresh;
+ * the records' lists then refill), so that the upper half of a buffer is never held for
+ * threads that may not come back. A thread holds
  * one record index per arena for the arena's life: the first RECORDS threads to claim get
  * one. */
 #define LO_BITS 20
@@ -349,7 +349,7 @@ static size_t claims_count(const sp_frame_arena *a, uint32_t i, uint64_t *marks,
 
 /* The open buffer b closes, its kept chunks marked below top (claims_count): what its next
  * round reserves (top) and its holes (the chunks below top that no record kept). More than
- * MAX_HOLES holes, or more than half the buffer's chunks kept: it reserves nothing. O(top / 64
+ * MAX_HOLES holes, or a kept chunk in the upper half of the buffer: it reserves nothing. O(top / 64
  * + holes); the marks are cleared again. */
 static void reserve_next(sp_frame_arena *a, frame_buffer *b, size_t top) {
     size_t holes = 0;
@@ -363,11 +363,12 @@ static void reserve_next(sp_frame_arena *a, frame_buffer *b, size_t top) {
             for (; unkept; unkept &= unkept - 1)
                 b->holes[holes++] = (uint32_t)(w * 64 + (size_t)__builtin_ctzll(unkept));
     }
-    /* A kept chunk whose thread does not come back is lost for the round: at most half the
-     * buffer's chunks are kept, so that fresh claims and direct ranges always have the rest
+    /* A kept chunk whose thread does not come back is lost for the round, and direct ranges
+     * stay above the highest kept one: chunks are kept only while that one lies in the lower
+     * half of the buffer, so that fresh claims and direct ranges always have the upper half
      * (one thread that kept every chunk of a small buffer and ran no job the next time round
      * left that round nothing). */
-    bool reserve = holes <= MAX_HOLES && top - holes <= a->capacity / a->chunk_size / 2;
+    bool reserve = holes <= MAX_HOLES && top <= a->capacity / a->chunk_size / 2;
     b->reserved = reserve ? (uint32_t)top : 0;
     b->hole_count = reserve ? (uint32_t)holes : 0;
 }

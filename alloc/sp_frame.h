@@ -13,8 +13,8 @@
  * chunks for it), so in a steady frame loop each thread writes memory its own core wrote last
  * (why: bench/README.md, "Sticky chunks"); otherwise it takes a fresh chunk, one atomic add: a
  * chunk that nobody asked to keep, or the next one up. A kept chunk whose thread does not come
- * back for it is lost for that frame; at most half a buffer's chunks are kept (when the threads
- * of a frame kept more, the buffer's next round keeps none and every claim is fresh). An arena has
+ * back for it is lost for that frame; chunks are kept only in the lower half of a buffer (when a
+ * thread kept one above, the buffer's next round keeps none and every claim is fresh). An arena has
  * records for 64 threads (a thread keeps its record for the arena's life, also when it alternates
  * with another arena of its slot); threads beyond claim fresh chunks only, each counted by an
  * atomic add. A request of any size that fits the rest of the thread's chunk comes from it; one

@@ -98,14 +98,14 @@ typedef struct sp_tcache_desc {
                                cut into blocks, for other caches (0: 8); a detaching cache's
                                empty spans beyond that go back to the central heap */
     bool tidy_orphans;      /* for programs that never call sp_tcache_tidy: the alloc slow
-                               path (at most 16 orphans) and each thread's detach (the rest of
-                               the pass) go on with the walk over the orphans, only when blocks
-                               were freed into orphans since the last walk and only if no
-                               other thread holds the orphan lock, and return those remote
-                               frees emptied; without
-                               it they wait for a tidy or a trim, or for a cache to adopt
-                               them. Set when the caches initialise lazily (a first call
-                               without sp_tcache_init, as in the malloc drop-in) */
+                               path (at most 16 orphans) and each thread's detach (at most 64)
+                               go on with the walk over the orphans, only when blocks were
+                               freed into orphans since the last walk and only if no other
+                               thread holds the orphan lock, and return those remote frees
+                               emptied; without it they wait for a tidy or a trim, or for a
+                               cache to adopt them. Set when the caches initialise lazily (a
+                               first call without sp_tcache_init, as in the malloc drop-in;
+                               sp_tcache_init(NULL) takes the desc's default, false) */
     bool explicit_attach;   /* threads get a cache of their own only from
                                sp_tcache_thread_attach; the others share the fallback cache
                                under its lock, each told once in its life (SP_LOG_WARN,

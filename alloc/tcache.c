@@ -397,7 +397,7 @@ static span *spare_take(cache *c, uint32_t k, bool any_class) {
 TRACK_INTERNAL static sp_tcache_block *class_refill(cache *c, uint32_t k) {
     /* Orphans emptied by remote frees go back here too where nobody calls sp_tcache_tidy
      * (tidy_orphans): else they would pile up, threads coming and going. */
-    if (tc.tidy_orphans) tcache_orphans_tidy(false);
+    if (tc.tidy_orphans) tcache_orphans_tidy(1);
     span *s = (span *)c->pub.cur[k];
     bool current = s != &tcache_sentinel;
     if (current && span_collect(s, c)) return span_free(s);
@@ -588,7 +588,7 @@ void sp_tcache_thread_detach(void) {
     sp_tcache_tls = &unattached.pub;
     if (tc.tss_ok) tss_set(tc.tss, NULL);
     tcache_destroy(c);
-    if (tc.tidy_orphans) tcache_orphans_tidy(true); /* a thread's exit: the whole pass */
+    if (tc.tidy_orphans) tcache_orphans_tidy(4); /* a thread's exit: 64 orphans at most */
 }
 
 /* Whether the calling thread, not attached, now has a cache of its own: not after its exit
@@ -922,10 +922,11 @@ static uintptr_t key_make(void) {
     return (uintptr_t)(x | 1); /* never 0: a tag of 0 means "handed out" */
 }
 
-static sp_result init_locked(const sp_tcache_desc *desc) {
+/* lazy: initialised by a first call without sp_tcache_init (the malloc drop-in): no frame loop
+ * tidies, the caches do (tidy_orphans). */
+static sp_result init_locked(const sp_tcache_desc *desc, bool lazy) {
     sp_tcache_desc d = desc ? *desc : (sp_tcache_desc){0};
-    /* Lazily initialised (no sp_tcache_init: the malloc drop-in), no frame loop tidies. */
-    if (!desc) d.tidy_orphans = true;
+    if (lazy) d.tidy_orphans = true;
     if (d.max_class == 0) d.max_class = 32 * 1024;
     if (d.max_class > SP_TCACHE_MAX_CLASS_LIMIT)
         return sp_misuse(SP_ERR_INVALID_ARG, "sp_tcache_init", NULL, "max_class %zu is above %zu",
@@ -983,7 +984,7 @@ sp_result sp_tcache_init(const sp_tcache_desc *desc) {
     if (atomic_load_explicit(&tc.ready, memory_order_relaxed))
         r = sp_misuse(SP_ERR_INVALID_ARG, "sp_tcache_init", NULL, "already initialised");
     else
-        r = init_locked(desc);
+        r = init_locked(desc, false);
     sp_mutex_unlock(&tc.init_lock);
     return r;
 }
@@ -991,7 +992,8 @@ sp_result sp_tcache_init(const sp_tcache_desc *desc) {
 /* Initialise with defaults on first use. */
 SP_COLD bool tcache_init_default(void) {
     sp_mutex_lock(&tc.init_lock);
-    bool ok = atomic_load_explicit(&tc.ready, memory_order_relaxed) || init_locked(NULL) == SP_OK;
+    bool ok =
+        atomic_load_explicit(&tc.ready, memory_order_relaxed) || init_locked(NULL, true) == SP_OK;
     sp_mutex_unlock(&tc.init_lock);
     return ok;
 }

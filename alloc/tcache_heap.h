@@ -116,9 +116,9 @@ SP_HIDDEN uint32_t span_collect(span *s, cache *c);
 SP_HIDDEN void span_release(span *s);
 SP_HIDDEN bool tcache_block_check(span *s, const void *p, const char *call);
 /* The orphans' upkeep without tidy calls (tidy_orphans): when frees reached orphans since the
- * last walk, the walk goes on for TCACHE_TIDY_SPANS of them (the alloc slow path) or to the
- * end of its pass (a thread's detach), if the orphan lock is free (a try, never a wait). Any
- * lock but the orphan and heap locks may be held. */
-SP_HIDDEN void tcache_orphans_tidy(bool whole_pass);
+ * last walk, the walk goes on for `steps` times TCACHE_TIDY_SPANS of them (1 in the alloc slow
+ * path, 4 at a thread's detach) while its pass lasts, if the orphan lock is free (a try, never
+ * a wait). Any lock but the orphan and heap locks may be held. */
+SP_HIDDEN void tcache_orphans_tidy(uint32_t steps);
 
 #endif

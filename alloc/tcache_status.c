@@ -275,14 +275,14 @@ static size_t give_back(bool all) {
     return bytes;
 }
 
-void tcache_orphans_tidy(bool whole_pass) {
+void tcache_orphans_tidy(uint32_t steps) {
     if (atomic_load_explicit(&tc.orphan_frees, memory_order_relaxed) ==
             atomic_load_explicit(&tc.orphan_frees_seen, memory_order_relaxed) ||
         !sp_mutex_trylock(&tc.orphan_lock))
         return;
     track_enter();
     do orphans_walk_some(atomic_load_explicit(&tc.orphan_frees, memory_order_acquire));
-    while (whole_pass && tc.orphan_pass);
+    while (--steps > 0 && tc.orphan_pass);
     track_leave();
     sp_mutex_unlock(&tc.orphan_lock);
 }

@@ -724,8 +724,9 @@ static void test_churn(void) {
     sp_frame_arena_destroy(churn_arena);
 
     /* A buffer of 8 chunks: a thread that kept all 8 and does not come back would leave the
-     * next round nothing; at most half the chunks are kept, so all 8 are fresh instead. Half (4)
-     * kept: reserved, a new thread's fresh claim above them; 5 kept: none reserved. */
+     * next round nothing; chunks are kept only in the lower half, so all 8 are fresh instead.
+     * Chunks 0-3 kept: reserved, a new thread's fresh claim above them; 0-4 kept: none
+     * reserved. */
     ptrdiff_t at[3] = {-1, -1, -1}; /* offsets from the first chunk; -1: NULL */
     for (int kept = 8; kept >= 4; kept -= 4) {
         churn_arena = make(2, 16u << 10, 1024, SP_FRAME_OVERFLOW_NULL);
@@ -747,9 +748,29 @@ static void test_churn(void) {
     if (late) at[2] = late - h0;
     ok(at[1] == 0 && at[0] == 4096 && at[2] == 0,
        "a buffer's 8 chunks all kept by a thread that does not come back: the next round keeps "
-       "none (a new thread's first chunk: %td); 4 kept (half): reserved, fresh above (%td); 5 "
-       "kept by the main thread: none reserved (%td)",
+       "none (a new thread's first chunk: %td); chunks 0-3 kept: reserved, fresh above (%td); "
+       "0-4 kept by the main thread: none reserved (%td)",
        at[1], at[0], at[2]);
+    sp_frame_arena_destroy(churn_arena);
+
+    /* A thread keeps chunks 0-3 and does not come back; the next round's thread takes 4-7
+     * (0-3 reserved) and does not come back either: a direct range (a request above
+     * chunk_size / 4) stays above the highest kept chunk, so keeping 4-7 would refuse it
+     * although 0-3 lie free (holes); nothing is kept instead. */
+    churn_arena = make(2, 16u << 10, 1024, SP_FRAME_OVERFLOW_NULL);
+    churn_n = 4 * 64;
+    base = churn_alloc_on_new_thread();
+    sp_frame_arena_advance(churn_arena, NULL);
+    sp_frame_arena_advance(churn_arena, NULL);
+    char *upper = churn_alloc_on_new_thread();
+    churn_n = 1;
+    sp_frame_arena_advance(churn_arena, NULL);
+    sp_frame_arena_advance(churn_arena, NULL);
+    char *direct = sp_frame_alloc(churn_arena, 2048);
+    ok(upper == base + 4096 && direct != NULL,
+       "kept chunks in the upper half (4-7, their thread gone): the next round keeps none, and a "
+       "2 KiB direct range is served (%p)",
+       (void *)direct);
     sp_frame_arena_destroy(churn_arena);
 
     /* More threads than claim records (64 per buffer): every claim counted. */
@@ -796,7 +817,7 @@ static void test_churn(void) {
 }
 
 int main(void) {
-    plan(53);
+    plan(54);
     for (uint32_t n = 1; n <= 4; n++) test_lifetime(n);
     test_alignment();
     test_chunks();

@@ -136,14 +136,31 @@ rc=$?
 ok $([[ $rc == 0 && $got == "forks 200 failed 0" ]] && served; echo $?) "C: fork 200 times while 3 threads malloc/free in a loop, children allocate: '${got//$'\n'/; }' (rc $rc)"
 
 # 7. The library exports the functions it replaces and the spindle API, no internal name
-#    (an exported `tc` or `heap_alloc` would take a program's symbol of that name), and binds
-#    its own calls to its own definitions (DT_SYMBOLIC): a program exporting an sp_mutex_lock
-#    or sp_log of its own (-rdynamic) took over malloc's locks and reports before.
+#    (an exported `tc` or `heap_alloc` would take a program's symbol of that name), and its
+#    own calls bind to its own functions: a program exporting an sp_mutex_lock of its own
+#    (-rdynamic) took over malloc's locks before (-Bsymbolic-functions).
 names=$(nm -D --defined-only "$LIB" | awk '{ print $3 }')
 extra=$(echo "$names" |
     grep -vxE 'sp_.*|malloc|free|calloc|realloc|reallocarray|posix_memalign|aligned_alloc|memalign|valloc|pvalloc|malloc_usable_size|_init|_fini' | tr '\n' ' ')
-symbolic=$(readelf -d "$LIB" 2>/dev/null | grep -c SYMBOLIC)
-ok $([[ -z $extra && $symbolic -ge 1 ]] && grep -qx malloc <<<"$names"; echo $?) "exports only the malloc family and sp_* (others: '${extra}'), bound symbolically (${symbolic} SYMBOLIC entries)"
+cat >"$TMP/interp.c" <<'C'
+#include <stdio.h>
+#include <stdlib.h>
+static int calls;
+void sp_mutex_lock(void *m);
+void sp_mutex_unlock(void *m);
+void sp_mutex_lock(void *m) { (void)m; calls++; }
+void sp_mutex_unlock(void *m) { (void)m; }
+int main(void) {
+    static void *v[20000];
+    for (int i = 0; i < 20000; i++) v[i] = malloc(100 + i % 3000);
+    for (int i = 0; i < 20000; i++) free(v[i]);
+    printf("calls %d\n", calls);
+    return 0;
+}
+C
+gcc -O1 -rdynamic -o "$TMP/interp" "$TMP/interp.c" 2>"$TMP/interp.log"
+got=$(under "$TMP/interp" 2>&1)
+ok $([[ -z $extra && $got == "calls 0" ]] && grep -qx malloc <<<"$names"; echo $?) "exports only the malloc family and sp_* (others: '${extra}'); a program's own sp_mutex_lock is not called by malloc: '$got'"
 
 # 8. The error conventions: errno and return values for requests that cannot be served and
 #    alignments of a form the call refuses (answers of glibc's kind; the program, built
