@@ -49,12 +49,20 @@ LAYOUT(d8_d15[6], FIBER_D14);
 LAYOUT(fpcr, FIBER_FPCR);
 _Static_assert(sizeof(sp_fiber_ctx) == FIBER_CTX_SIZE, "sp_fiber_ctx size");
 
+/* fiber_switch_aarch64.S: where a fresh context starts (x30 cleared, then entry in x19). */
+void sp_fiber_ctx_start(void);
+
 void sp_fiber_ctx_init(sp_fiber_ctx *ctx, void *stack_lo, size_t stack_size,
                        sp_fiber_ctx_entry entry) {
     memset(ctx, 0, sizeof *ctx);
-    /* sp stays 16-byte aligned (AAPCS64); x29 = 0 ends the frame chain for backtraces. */
+    /* sp stays 16-byte aligned (AAPCS64); x29 = 0 ends the frame chain for backtraces, and
+     * the entry starts with x30 = 0 (sp_fiber_ctx_start), so that a DWARF unwinder stops there
+     * too: with x30 = entry, as the switch's `br x30` left it, the outermost frame's return
+     * address pointed back into the code before entry, whose unwind entry could repeat the
+     * same frame without end. */
     ctx->sp = (uint64_t)(uintptr_t)((char *)stack_lo + stack_size);
-    ctx->pc = (uint64_t)(uintptr_t)entry;
+    ctx->pc = (uint64_t)(uintptr_t)sp_fiber_ctx_start;
+    ctx->x19_x29[0] = (uint64_t)(uintptr_t)entry;
     uint64_t fpcr;
     __asm__ volatile("mrs %0, fpcr" : "=r"(fpcr));
     ctx->fpcr = fpcr;

@@ -51,4 +51,20 @@ sp_fiber_ctx_switch:
     .cfi_endproc
     .size   sp_fiber_ctx_switch, .-sp_fiber_ctx_switch
 
+/* A fresh context's first instructions (its saved pc, sp_fiber_ctx_init): the entry function
+ * (saved as x19) is entered with x30 = 0, the end of the call chain, and x0 = its context (set
+ * by the switch). Through x16: a branch target that BTI landing pads accept. */
+    .globl  sp_fiber_ctx_start
+    .hidden sp_fiber_ctx_start
+    .type   sp_fiber_ctx_start, %function
+    .p2align 4
+sp_fiber_ctx_start:
+    .cfi_startproc
+    .cfi_undefined x30
+    mov     x16, x19
+    mov     x30, xzr
+    br      x16
+    .cfi_endproc
+    .size   sp_fiber_ctx_start, .-sp_fiber_ctx_start
+
     .section .note.GNU-stack, "", %progbits
