@@ -568,21 +568,22 @@ TRACK_INTERNAL SP_INLINE void *heap_malloc(sp_tlsf *t, size_t size) {
     return p;
 }
 
-/* A heap sp_tlsf_destroy left behind (its control structure zeroed; a live heap always has
- * bytes_total >= the control's size): while the caller has not reused that memory, calls
- * through it are refused under `call` (reported with the lock released). */
-static bool heap_destroyed(sp_tlsf *t, const char *call) {
+/* Lock t if it is live. A heap sp_tlsf_destroy left behind (its control structure zeroed; a
+ * live heap always has bytes_total >= the control's size): while the caller has not reused
+ * that memory, calls through it are refused under `call`, reported with the lock released,
+ * and false is returned with t unlocked. */
+static bool heap_lock_live(sp_tlsf *t, const char *call) {
     heap_lock(t); /* bytes_total grows with add_pool, under the lock */
-    bool live = t->bytes_total != 0;
+    if (SP_LIKELY(t->bytes_total != 0)) return true;
     heap_unlock(t);
-    if (SP_LIKELY(live)) return false;
     sp_misuse(SP_ERR_INVALID_ARG, call, t, "heap %p was destroyed", (const void *)t);
-    return true;
+    return false;
 }
 
 TRACK_INTERNAL void *sp_tlsf_malloc(sp_tlsf *t, size_t size) {
     void *p = heap_malloc(t, size);
-    if (SP_UNLIKELY(!p)) heap_destroyed(t, "sp_tlsf_malloc"); /* the failure path only */
+    /* The failure path only: a destroyed heap is reported. */
+    if (SP_UNLIKELY(!p) && heap_lock_live(t, "sp_tlsf_malloc")) heap_unlock(t);
     return p;
 }
 
@@ -709,11 +710,10 @@ TRACK_INTERNAL static size_t heap_bytes_free(const sp_tlsf *t) {
 }
 
 TRACK_INTERNAL void sp_tlsf_status_get(sp_tlsf *t, sp_tlsf_status *out) {
-    if (SP_UNLIKELY(heap_destroyed(t, "sp_tlsf_status_get"))) {
+    if (SP_UNLIKELY(!heap_lock_live(t, "sp_tlsf_status_get"))) {
         memset(out, 0, sizeof *out);
         return;
     }
-    heap_lock(t);
     size_t bytes_free = heap_bytes_free(t);
     size_t largest = 0;
     if (t->fl_bitmap) {
@@ -735,8 +735,7 @@ TRACK_INTERNAL void sp_tlsf_status_get(sp_tlsf *t, sp_tlsf_status *out) {
 }
 
 TRACK_INTERNAL void sp_tlsf_walk(sp_tlsf *t, sp_tlsf_walker fn, void *user) {
-    if (SP_UNLIKELY(heap_destroyed(t, "sp_tlsf_walk"))) return;
-    heap_lock(t);
+    if (SP_UNLIKELY(!heap_lock_live(t, "sp_tlsf_walk"))) return;
     for (size_t i = 0; i < t->pool_count; i++) {
         block *end = (block *)(t->pools[i].hi - HEADER);
         for (block *b = (block *)t->pools[i].lo; b < end; b = block_next(b)) {
@@ -764,8 +763,7 @@ TRACK_INTERNAL sp_result sp_tlsf_check(sp_tlsf *t) {
     char why[160];
     const void *bad = NULL;
     size_t used = 0, free_bytes = 0, live = 0, free_count = 0;
-    if (SP_UNLIKELY(heap_destroyed(t, "sp_tlsf_check"))) return SP_ERR_INVALID_ARG;
-    heap_lock(t);
+    if (SP_UNLIKELY(!heap_lock_live(t, "sp_tlsf_check"))) return SP_ERR_INVALID_ARG;
     for (size_t i = 0; i < t->pool_count; i++) {
         block *end = (block *)(t->pools[i].hi - HEADER), *prev = NULL, *b;
         bool prev_free = false;
