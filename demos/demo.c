@@ -200,7 +200,7 @@ static void render_job(void *arg) {
     for (int b = 0; b < 2; b++) {
         unsigned n = atomic_load(&W.piece_count[b]);
         if (n > MAX_PIECES) n = MAX_PIECES;
-        uint64_t covered = 0, checked = 0;
+        uint64_t covered = 0; /* records checked: the entities the pieces cover */
         for (unsigned k = 0; k < n; k++) {
             const render_piece *p = &W.pieces[b][k];
             covered += p->end - p->begin;
@@ -209,12 +209,11 @@ static void render_job(void *arg) {
                 if (r->check != render_check(r->id, r->pos) || r->id >= W.next_id)
                     atomic_fetch_add(&W.damaged, 1);
             }
-            checked += p->end - p->begin;
         }
         /* A frame with refused pieces covers fewer (counted there, not as damage). */
         if (covered != W.render_count[b] && atomic_load(&W.arena_refused) == 0)
             atomic_fetch_add(&W.damaged, 1);
-        atomic_fetch_add(&W.render_checked, checked);
+        atomic_fetch_add(&W.render_checked, covered);
     }
 }
 
