@@ -232,9 +232,9 @@ static void run_alloc(bench_state *st, const void *varg) {
  * run ahead of them; aarch64's sp_ticks orders itself with an isb) and, with drain, once their
  * stores have drained too (mfence first; dmb on aarch64). The reset is timed from a drained
  * start to an end that waits for the advance's instructions, not for an mfence: on the AMD
- * EPYC machine of bench/README.md's run, an mfence after a store took about 180 ns for
- * milliseconds after 136 MB had been written densely, an empty timed region included (a
- * scratch program), a cost of the machine, not of the reclaim. */
+ * EPYC machine an mfence after a store stayed slow for milliseconds after a dense fill, an
+ * empty timed region included, a cost of the machine, not of the reclaim (bench/README.md,
+ * "The reset at 1,000,000 allocations on the AMD machine"). */
 static inline uint64_t ticks_ordered(bool drain) {
 #if defined(__x86_64__)
     if (drain) __asm__ volatile("mfence" : : : "memory");
@@ -271,9 +271,9 @@ static void run_reset(bench_state *st, const void *varg) {
             /* The fill's last stores (to lines not in any cache once N is large) drain before
              * the clock starts (ticks_ordered): else the advance's first atomic waits for
              * them, and the fill's cost is timed as the reclaim's. A fence before a bare
-             * rdtsc is not enough: rdtsc is not ordered by it (both vendors' manuals); on the
-             * AMD machine such reads gave 65 ns at N = 100,000 where ordered reads give 38.
-             * In a frame loop the wait for the frame's jobs drains them. */
+             * rdtsc is not enough: rdtsc is not ordered by it (both vendors' manuals; on the AMD
+             * machine such reads timed part of the drain: bench/README.md). In a frame loop the
+             * wait for the frame's jobs drains them. */
             uint64_t t0 = ticks_ordered(true);
             sp_frame_arena_advance(arena, NULL); /* reclaims the one just filled */
             ticks += ticks_ordered(false) - t0;

@@ -38,6 +38,11 @@
 enum { LOCAL_SLOTS = 64, RING = 1024, SERVER_SLOTS = 8192, MAX_THREADS = 8 };
 enum { LOCAL_MAX = 256, SERVER_MAX = 512 }; /* largest request: local and remote, server */
 
+/* A request size of 16..max bytes from random bits r. */
+static inline size_t size_upto(uint64_t r, size_t max) {
+    return 16 + (size_t)(r % (max - 15));
+}
+
 static struct {
     size_t local_ops;    /* stream length per thread */
     int64_t passes;      /* passes over it per sample */
@@ -153,7 +158,7 @@ static op *local_stream(bench_state *st, region *mem) {
     uint64_t seed = 0x7c0ffee ^ (uint64_t)bench_thread_index(st) << 40;
     for (size_t i = 0; i < cfg.local_ops; i++) {
         uint64_t r = rng_next(&seed);
-        ops[i] = (op){(uint32_t)(r % LOCAL_SLOTS), 16 + (uint32_t)((r >> 32) % (LOCAL_MAX - 15))};
+        ops[i] = (op){(uint32_t)(r % LOCAL_SLOTS), (uint32_t)size_upto(r >> 32, LOCAL_MAX)};
     }
     return ops;
 }
@@ -182,7 +187,7 @@ static inline __attribute__((always_inline)) void remote_produce(bool spindle, s
     uint64_t seed = 0xfeed ^ (uintptr_t)r;
     size_t head = atomic_load_explicit(&r->head, memory_order_relaxed); /* after earlier runs */
     for (size_t i = 0; i < n; i++) {
-        size_t size = 16 + (size_t)(rng_next(&seed) % (LOCAL_MAX - 15));
+        size_t size = size_upto(rng_next(&seed), LOCAL_MAX);
         void *p = who_alloc(spindle, size);
         *(size_t *)p = size;
         while (head - atomic_load_explicit(&r->tail, memory_order_acquire) == RING)
@@ -228,7 +233,7 @@ static inline __attribute__((always_inline)) void server_run(bool spindle, int t
     uint64_t seed = 0x5e4e4 ^ (uint64_t)thread << 32;
     for (size_t i = 0; i < n; i++) {
         uint64_t r = rng_next(&seed);
-        size_t size = 16 + (size_t)((r >> 32) % (SERVER_MAX - 15));
+        size_t size = size_upto(r >> 32, SERVER_MAX);
         void *p = who_alloc(spindle, size);
         *(size_t *)p = size;
         void *old = atomic_exchange_explicit(&sh.server[r % SERVER_SLOTS], p, memory_order_acq_rel);
@@ -247,7 +252,7 @@ static __attribute__((noinline)) void server_process(int t, size_t n) {
  * scheduler, a remote pair sometimes shares a CPU (taking turns through sched_yield) and
  * sometimes not, and the peers' times differ about 10x between the two (bench/README.md,
  * "Corrections from an audit"); two local threads sometimes shared a CPU for part of a sample
- * (a scratch program's per-thread times: 5.2-6.2 ns unpinned, 4.0-4.7 pinned, spindle's loop).
+ * (bench/README.md, the tcache harness's description).
  * Returns the old mask to restore. */
 static bool pin_thread(int t, cpu_set_t *old) {
     if (pthread_getaffinity_np(pthread_self(), sizeof *old, old) != 0) return false;
@@ -286,8 +291,7 @@ static void run_case(bench_state *st, const void *varg) {
     if (t == 0) {
         if (a->k == SERVER)
             for (int i = 0; i < SERVER_SLOTS; i++)
-                atomic_store(&sh.server[i],
-                             who_alloc(a->spindle, 16 + (size_t)i % (SERVER_MAX - 15)));
+                atomic_store(&sh.server[i], who_alloc(a->spindle, size_upto(i, SERVER_MAX)));
         for (int i = 0; i < MAX_THREADS / 2; i++) {
             atomic_store(&sh.ring[i].head, 0);
             atomic_store(&sh.ring[i].tail, 0);
