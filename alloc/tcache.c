@@ -395,12 +395,12 @@ static span *spare_take(cache *c, uint32_t k, bool any_class) {
  * kept empty spans, orphans, a spare of another class or a new span (RING_SCAN says why a
  * long ring is not searched first). */
 TRACK_INTERNAL static sp_tcache_block *class_refill(cache *c, uint32_t k) {
-    /* Orphans emptied by remote frees go back here too where nobody calls sp_tcache_tidy
-     * (tidy_orphans): else they would pile up, threads coming and going. */
-    if (tc.tidy_orphans) tcache_orphans_tidy(1);
     span *s = (span *)c->pub.cur[k];
     bool current = s != &tcache_sentinel;
     if (current && span_collect(s, c)) return span_free(s);
+    /* Past the cheapest refill: orphans emptied by remote frees go back here too where nobody
+     * calls sp_tcache_tidy (tidy_orphans); else they would pile up, threads coming and going. */
+    if (tc.tidy_orphans) tcache_orphans_tidy(1);
     bool from_ring = true;
     span *t = c->ring_len[k] <= RING_SCAN ? ring_scan(c, k, span_has_batch) : NULL;
     if (!t) {
