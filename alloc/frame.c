@@ -15,7 +15,7 @@
  * A thread first asks for the chunks it had in the buffer's previous frame, in the same order
  * (memory its own core wrote last: threads do not trade cache lines across frames), and gets
  * them without touching anything shared. What makes that safe: each thread keeps the list of
- * its claims in a claim record of its own (a line per thread and buffer); when the buffer
+ * its claims in a claim record of its own (see claim_record); when the buffer
  * closes, `reserved` becomes one past the highest chunk on the records of that frame, and the
  * chunks below it that no record kept become the buffer's holes. When the buffer comes round,
  * a chunk below reserved goes only to the thread whose record asks for it: those records,
@@ -52,31 +52,51 @@ typedef struct heap_block {
     void *block;
 } heap_block;
 
+/* A buffer's shared state, one line: the fresh claims' bump word, the overflows' list and
+ * counts (written by allocating threads, the overflows only when the buffer ran out), and what
+ * the close decided for the next round. The reclaim of a buffer touches only this line of it,
+ * and the close of the other buffer only this line of that one: after a large frame neither
+ * waits for memory (each is a line the frame or the advance before it touched). */
 typedef struct frame_buffer {
-    /* The fresh claims' line: the bump word, and what the close decided for this round. */
     _Alignas(64) uint64_t word; /* atomic: lo | hi << LO_BITS (see above) */
     size_t unrecorded;          /* atomic: chunks claimed by threads without a claim record */
+    heap_block *heap;           /* atomic: Treiber stack, pushed by overflows, walked by reclaim */
+    size_t overflows, overflow_bytes; /* atomic */
+    uint32_t *holes;                  /* MAX_HOLES */
     uint32_t reserved, hole_count;
-    uint32_t *holes; /* MAX_HOLES */
-    /* Written atomically by allocating threads, only when the buffer ran out. */
-    _Alignas(64) heap_block *heap; /* Treiber stack, pushed by overflows, walked by reclaim */
-    size_t overflows, overflow_bytes;
-    /* Owned by the advancing thread. */
-    uint64_t frame;
-    size_t peak;
-    size_t floor; /* chunk_floor at its close: the chunks its frame may have used */
-    char *base;
+    uint32_t floor; /* chunk_floor at its close: the chunks its frame may have used */
 } frame_buffer;
 
-/* One thread's claims in one buffer, on a line of its own: written by that thread (atomically:
- * status may read it meanwhile), read when the buffer closes. */
+/* One thread's claims in every buffer of an arena, on a line of its own: written by that
+ * thread at its first claim of a frame and at each claim (atomically: status may read it
+ * meanwhile), read by every close, which looks at the record of each thread that ever claimed.
+ * One line per thread, not one per thread and buffer: the close of a buffer a thread did not
+ * claim in then reads a line that thread wrote in the frame before, not one untouched for a
+ * round (which a large frame evicts: bench frame/reset after 1,000,000 allocations waited
+ * for memory; bench/README.md, "The reset at 1,000,000 allocations on the AMD machine"). */
 typedef struct claim_record {
-    _Alignas(64) uint64_t frame; /* the frame of the claims below */
-    uint32_t claimed;            /* chunks claimed in it, kept or not */
-    uint32_t kept;               /* entries of index: the first claims, in order */
-    uint32_t replay;             /* entries of the buffer's previous frame to ask for (owner) */
-    uint32_t index[STICKY];
+    _Alignas(64) uint64_t frame[SP_FRAME_MAX_BUFFERS]; /* per buffer: the frame of the claims */
+    uint32_t claimed[SP_FRAME_MAX_BUFFERS];            /* chunks claimed in it, kept or not */
+    uint8_t kept[SP_FRAME_MAX_BUFFERS];   /* entries of the list: the first claims, in order */
+    uint8_t replay[SP_FRAME_MAX_BUFFERS]; /* entries of the buffer's previous frame to ask for */
 } claim_record;
+
+/* The chunks of a thread's first claims in each buffer, in order. An entry is written only
+ * when a claim takes another chunk than the one it holds: a thread that gets its chunks of
+ * last time back writes nothing here, so a frame costs it one written line (its record). */
+typedef struct claim_list {
+    _Alignas(64) uint32_t index[SP_FRAME_MAX_BUFFERS][STICKY];
+} claim_list;
+
+/* A thread's record and list, on lines of their own that no other thread's share a 128-byte
+ * pair with (CPUs fetch lines in such pairs). */
+typedef struct claim_slot {
+    _Alignas(128) claim_record record;
+    claim_list list;
+} claim_slot;
+_Static_assert(sizeof(claim_record) == 64, "a claim record is one line");
+_Static_assert(STICKY <= UINT8_MAX, "kept and replay count list entries in a byte");
+_Static_assert(sizeof(frame_buffer) == 64, "a buffer's shared state is one line");
 
 struct sp_frame_arena {
     /* One line, written only by advance: everything a chunk claim reads of the arena that ever
@@ -99,16 +119,14 @@ struct sp_frame_arena {
     size_t committed; /* bytes of region committed at create (decommitted/released at destroy) */
     bool own;         /* we reserved the region */
     uint64_t *marks;  /* chunks bits: scratch of the close */
+    /* Per buffer, written only by advance (status reads them): a line every advance touches. */
+    _Alignas(64) uint64_t buf_frame[SP_FRAME_MAX_BUFFERS]; /* the frame last (or now) using it */
+    size_t buf_peak[SP_FRAME_MAX_BUFFERS];
     /* Written when a thread takes a record index (its first claim in the arena). */
     _Alignas(64) uint32_t records_used; /* atomic: indices taken, at most RECORDS */
     uint64_t record_owner[RECORDS];     /* atomic: the thread token holding each index */
     frame_buffer buf[SP_FRAME_MAX_BUFFERS];
-    /* [thread index][buffer]: a thread's records of all buffers on adjacent lines, one page:
-     * the close of a buffer it did not claim in reads lines next to the ones it just wrote
-     * (records by buffer put them a page apart, cold after a large frame: bench frame/reset
-     * after 1,000,000 allocations was no longer flat; bench/README.md, "Recorded run (claim
-     * records, two frame sizes)"). */
-    claim_record records[RECORDS][SP_FRAME_MAX_BUFFERS];
+    claim_slot claims[RECORDS]; /* by thread record index */
 };
 _Static_assert(offsetof(struct sp_frame_arena, hot) == 0, "the inline paths read hot at a");
 _Static_assert(offsetof(struct sp_frame_arena, buffers) + sizeof(uint32_t) <= 64,
@@ -169,24 +187,30 @@ static uint32_t record_index(sp_frame_arena *a) {
     return RECORDS;
 }
 
-/* The calling thread's claim record in a's open buffer, set to this frame (its entries of the
- * buffer's previous frame left to replay); NULL if the arena has no record left for it. */
-static claim_record *record_get(sp_frame_arena *a) {
+/* The calling thread's claim-record index in a, its record set to this frame in the open
+ * buffer (its entries of the buffer's previous frame left to replay); RECORDS if the arena has
+ * no record left for it. */
+static uint32_t record_get(sp_frame_arena *a) {
     if (record_tls[a->hot.slot].arena != a->id) {
         record_tls[a->hot.slot].arena = a->id;
         record_tls[a->hot.slot].index = record_index(a);
     }
-    uint32_t i = record_tls[a->hot.slot].index;
-    if (i == RECORDS) return NULL;
-    claim_record *r = &a->records[i][a->current];
-    uint64_t f = __atomic_load_n(&r->frame, __ATOMIC_RELAXED);
+    uint32_t i = record_tls[a->hot.slot].index, b = a->current;
+    if (i == RECORDS) return RECORDS;
+    claim_record *r = &a->claims[i].record;
+    uint64_t f = __atomic_load_n(&r->frame[b], __ATOMIC_RELAXED);
     if (f != a->frame) {
-        r->replay = f + a->buffers == a->frame ? r->kept : 0;
-        __atomic_store_n(&r->claimed, 0, __ATOMIC_RELAXED);
-        __atomic_store_n(&r->kept, 0, __ATOMIC_RELAXED);
-        __atomic_store_n(&r->frame, a->frame, __ATOMIC_RELEASE); /* after the resets: status */
+        r->replay[b] = f + a->buffers == a->frame ? r->kept[b] : 0;
+        __atomic_store_n(&r->claimed[b], 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&r->kept[b], 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&r->frame[b], a->frame, __ATOMIC_RELEASE); /* after the resets: status */
     }
-    return r;
+    return i;
+}
+
+/* The first byte of b. */
+static char *buffer_base(const sp_frame_arena *a, const frame_buffer *b) {
+    return a->region + (size_t)(b - a->buf) * a->capacity;
 }
 
 /* Chunks below which claims may lie, for the bump word w of b. */
@@ -214,15 +238,18 @@ static bool chunk_fresh(sp_frame_arena *a, frame_buffer *b, size_t *out) {
 /* Give the calling thread's chunk slot a chunk of b: the one it had at the same place in its
  * claim order in b's previous frame (see above), else a fresh one. False: b has no room. */
 static bool chunk_take(sp_frame_arena *a, frame_buffer *b, sp_frame_chunk *c) {
-    claim_record *r = record_get(a);
+    uint32_t k = record_get(a), bi = a->current;
+    claim_record *r = k < RECORDS ? &a->claims[k].record : NULL;
     size_t i = SIZE_MAX;
-    if (r && r->kept < r->replay) i = r->index[r->kept];
+    if (r && r->kept[bi] < r->replay[bi]) i = a->claims[k].list.index[bi][r->kept[bi]];
     if (i >= a->cur_reserved && !chunk_fresh(a, b, &i)) return false;
     if (r) {
-        __atomic_store_n(&r->claimed, r->claimed + 1, __ATOMIC_RELAXED);
-        if (r->kept < STICKY) {
-            __atomic_store_n(&r->index[r->kept], (uint32_t)i, __ATOMIC_RELAXED);
-            __atomic_store_n(&r->kept, r->kept + 1, __ATOMIC_RELAXED);
+        uint8_t kept = r->kept[bi];
+        __atomic_store_n(&r->claimed[bi], r->claimed[bi] + 1, __ATOMIC_RELAXED);
+        if (kept < STICKY) {
+            uint32_t *e = &a->claims[k].list.index[bi][kept];
+            if (*e != i) __atomic_store_n(e, (uint32_t)i, __ATOMIC_RELAXED);
+            __atomic_store_n(&r->kept[bi], (uint8_t)(kept + 1), __ATOMIC_RELAXED);
         }
     } else {
         __atomic_fetch_add(&b->unrecorded, 1, __ATOMIC_RELAXED);
@@ -250,13 +277,14 @@ static void *chunk_bump(sp_frame_chunk *c, size_t align, size_t size) {
 static void *direct_take(sp_frame_arena *a, frame_buffer *b, size_t align, size_t size) {
     if (size > a->capacity) return NULL; /* alloc_any sent alignments above it to overflow */
     size_t n = sp_align_up(size ? size : 1, 16); /* size 0 too gets a block inside the buffer */
+    char *base = buffer_base(a, b);
     uint64_t w = __atomic_load_n(&b->word, __ATOMIC_RELAXED);
     for (;;) {
         size_t lo = word_lo(w), hi = word_hi(w);
         if (n > hi) return NULL;
-        uintptr_t p = sp_align_down((uintptr_t)b->base + hi - n, align);
-        if (p < (uintptr_t)b->base + chunk_floor(b, w) * a->chunk_size) return NULL;
-        uint64_t nw = (uint64_t)lo | (uint64_t)(p - (uintptr_t)b->base) << LO_BITS;
+        uintptr_t p = sp_align_down((uintptr_t)base + hi - n, align);
+        if (p < (uintptr_t)base + chunk_floor(b, w) * a->chunk_size) return NULL;
+        uint64_t nw = (uint64_t)lo | (uint64_t)(p - (uintptr_t)base) << LO_BITS;
         if (__atomic_compare_exchange_n(&b->word, &w, nw, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
             return (void *)p;
     }
@@ -334,12 +362,12 @@ static size_t claims_count(const sp_frame_arena *a, uint32_t i, uint64_t *marks,
     size_t n = __atomic_load_n(&b->unrecorded, __ATOMIC_RELAXED);
     uint32_t used = __atomic_load_n(&a->records_used, __ATOMIC_RELAXED);
     for (uint32_t k = 0; k < used && k < RECORDS; k++) {
-        const claim_record *r = &a->records[k][i];
-        if (__atomic_load_n(&r->frame, __ATOMIC_ACQUIRE) != b->frame) continue;
-        n += __atomic_load_n(&r->claimed, __ATOMIC_RELAXED);
-        uint32_t kept = marks ? __atomic_load_n(&r->kept, __ATOMIC_RELAXED) : 0;
+        const claim_record *r = &a->claims[k].record;
+        if (__atomic_load_n(&r->frame[i], __ATOMIC_ACQUIRE) != a->buf_frame[i]) continue;
+        n += __atomic_load_n(&r->claimed[i], __ATOMIC_RELAXED);
+        uint32_t kept = marks ? __atomic_load_n(&r->kept[i], __ATOMIC_RELAXED) : 0;
         for (uint32_t j = 0; j < kept; j++) {
-            size_t c = __atomic_load_n(&r->index[j], __ATOMIC_RELAXED);
+            size_t c = __atomic_load_n(&a->claims[k].list.index[i][j], __ATOMIC_RELAXED);
             marks[c / 64] |= UINT64_C(1) << (c % 64);
             if (c + 1 > *top) *top = c + 1;
         }
@@ -385,12 +413,12 @@ static void heap_list_free(sp_frame_arena *a, frame_buffer *b) {
 #if TRACK_ASAN || TRACK_VALGRIND || SP_DEBUG >= 1
 /* Fill (plain debug builds) or hand back to the tools as the allocator's (ASan, Valgrind) the
  * bytes [from, to) of b, so that a pointer kept past the reclaim is caught at its first use. */
-static void range_poison(frame_buffer *b, size_t from, size_t to) {
+static void range_poison(const sp_frame_arena *a, const frame_buffer *b, size_t from, size_t to) {
     if (from >= to) return;
 #if TRACK_ASAN || TRACK_VALGRIND
-    track_pool(b->base + from, to - from);
+    track_pool(buffer_base(a, b) + from, to - from);
 #else
-    memset(b->base + from, POISON_BYTE, to - from);
+    memset(buffer_base(a, b) + from, POISON_BYTE, to - from);
 #endif
 }
 #endif
@@ -402,9 +430,9 @@ static void buffer_reclaim(sp_frame_arena *a, frame_buffer *b) {
     heap_list_free(a, b);
 #if TRACK_ASAN || TRACK_VALGRIND || SP_DEBUG >= 1
     uint64_t w = __atomic_load_n(&b->word, __ATOMIC_RELAXED);
-    size_t hi = word_hi(w), lo_bytes = b->floor * a->chunk_size;
-    range_poison(b, 0, lo_bytes < hi ? lo_bytes : hi);
-    range_poison(b, hi, a->capacity);
+    size_t hi = word_hi(w), lo_bytes = (size_t)b->floor * a->chunk_size;
+    range_poison(a, b, 0, lo_bytes < hi ? lo_bytes : hi);
+    range_poison(a, b, hi, a->capacity);
 #endif
     __atomic_store_n(&b->word, (uint64_t)a->capacity << LO_BITS, __ATOMIC_RELAXED);
     __atomic_store_n(&b->unrecorded, 0, __ATOMIC_RELAXED);
@@ -420,9 +448,9 @@ static void status_fill(const sp_frame_arena *a, uint32_t i, size_t chunks,
     size_t used = chunks * a->chunk_size +
                   (a->capacity - word_hi(__atomic_load_n(&b->word, __ATOMIC_RELAXED)));
     *out = (sp_frame_buffer_status){
-        .frame = b->frame,
+        .frame = a->buf_frame[i],
         .bytes_used = used,
-        .peak = used > b->peak ? used : b->peak,
+        .peak = used > a->buf_peak[i] ? used : a->buf_peak[i],
         .chunks = chunks,
         .overflows = __atomic_load_n(&b->overflows, __ATOMIC_RELAXED),
         .overflow_bytes = __atomic_load_n(&b->overflow_bytes, __ATOMIC_RELAXED),
@@ -435,17 +463,17 @@ uint64_t sp_frame_arena_advance(sp_frame_arena *a, sp_frame_buffer_status *close
     size_t top = 0;
     sp_frame_buffer_status st;
     status_fill(a, a->current, claims_count(a, a->current, a->marks, &top), &st);
-    b->peak = st.peak;
+    a->buf_peak[a->current] = st.peak;
     if (closed) *closed = st;
-    b->floor = chunk_floor(b, __atomic_load_n(&b->word, __ATOMIC_RELAXED));
+    b->floor = (uint32_t)chunk_floor(b, __atomic_load_n(&b->word, __ATOMIC_RELAXED));
     reserve_next(a, b, top);
     a->frame++;
     a->current = (uint32_t)(a->frame % a->buffers);
     b = &a->buf[a->current];
     buffer_reclaim(a, b);
-    b->frame = a->frame;
-    a->cur_reserved = (uint32_t)b->reserved;
-    a->cur_base = b->base;
+    a->buf_frame[a->current] = a->frame;
+    a->cur_reserved = b->reserved;
+    a->cur_base = buffer_base(a, b);
     a->hot.gen = gen_take(); /* every thread's chunk of the old frame is stale now */
     return a->frame;
 }
@@ -551,11 +579,10 @@ sp_frame_arena *sp_frame_arena_create(const sp_frame_desc *desc, sp_result *err)
     a->heap_free = d.heap_free ? d.heap_free : libc_free;
     a->heap_user = d.heap_user;
     for (uint32_t i = 0; i < n; i++) {
-        a->buf[i].base = a->region + (size_t)i * capacity;
         a->buf[i].holes = (uint32_t *)(void *)(extra + mark_words) + (size_t)i * MAX_HOLES;
         a->buf[i].word = (uint64_t)capacity << LO_BITS;
     }
-    a->cur_base = a->buf[0].base;
+    a->cur_base = a->region;
     if (err) *err = SP_OK;
     return a;
 }
@@ -565,7 +592,7 @@ void sp_frame_arena_destroy(sp_frame_arena *a) {
     for (uint32_t i = 0; i < a->buffers; i++) {
         frame_buffer *b = &a->buf[i];
         heap_list_free(a, b);
-        track_release(b->base, a->capacity); /* tool builds: plain memory again */
+        track_release(buffer_base(a, b), a->capacity); /* tool builds: plain memory again */
     }
     if (a->own)
         sp_vm_release(a->region, a->committed);
