@@ -143,11 +143,22 @@ static _Thread_local struct {
 } record_tls[SP_FRAME_SLOTS];
 static _Thread_local uint64_t thread_token;
 
-static uint64_t gen_last;    /* atomic: generations handed out (0 is never one) */
+static uint64_t ids_last;    /* atomic: arena ids and thread tokens handed out (0 is never one) */
+static uint64_t gens_last;   /* atomic: start of the last block of generations handed out */
 static uint32_t arenas_made; /* atomic: slot of the next arena */
 
-static uint64_t gen_take(void) {
-    return __atomic_add_fetch(&gen_last, 1, __ATOMIC_RELAXED);
+static uint64_t id_take(void) {
+    return __atomic_add_fetch(&ids_last, 1, __ATOMIC_RELAXED);
+}
+
+/* A frame's generation is unique across arenas (a thread's chunk slot serves every arena of
+ * that slot in turn). An arena takes them from blocks of GEN_BLOCK of its own (aligned; the
+ * first block starts at GEN_BLOCK, so 0 is never one): one atomic add per GEN_BLOCK frames,
+ * not per advance, which then holds no locked instruction that would wait for its stores. */
+#define GEN_BLOCK (UINT64_C(1) << 20)
+static uint64_t gen_next(uint64_t gen) {
+    gen++;
+    return gen % GEN_BLOCK ? gen : __atomic_add_fetch(&gens_last, GEN_BLOCK, __ATOMIC_RELAXED);
 }
 
 static void *libc_alloc(void *user, size_t align, size_t size) {
@@ -173,7 +184,7 @@ static size_t word_hi(uint64_t w) {
 /* The calling thread's record index in a: the one it holds (a thread switching between
  * arenas of one slot finds its own again: O(RECORDS)), else a new one, else RECORDS. */
 static uint32_t record_index(sp_frame_arena *a) {
-    if (!thread_token) thread_token = gen_take();
+    if (!thread_token) thread_token = id_take();
     /* Relaxed: a thread looks only for its own token, which only it stores. */
     uint32_t n = __atomic_load_n(&a->records_used, __ATOMIC_RELAXED);
     for (uint32_t i = 0; i < n; i++)
@@ -402,6 +413,9 @@ static void reserve_next(sp_frame_arena *a, frame_buffer *b, size_t top) {
 }
 
 static void heap_list_free(sp_frame_arena *a, frame_buffer *b) {
+    /* No allocation runs meanwhile (the frames' jobs are done): a load first, so that an
+     * advance without heap blocks holds no locked instruction (see gen_next). */
+    if (!__atomic_load_n(&b->heap, __ATOMIC_ACQUIRE)) return;
     heap_block *h = __atomic_exchange_n(&b->heap, NULL, __ATOMIC_ACQUIRE);
     while (h) {
         heap_block *next = h->next;
@@ -474,7 +488,7 @@ uint64_t sp_frame_arena_advance(sp_frame_arena *a, sp_frame_buffer_status *close
     a->buf_frame[a->current] = a->frame;
     a->cur_reserved = b->reserved;
     a->cur_base = buffer_base(a, b);
-    a->hot.gen = gen_take(); /* every thread's chunk of the old frame is stale now */
+    a->hot.gen = gen_next(a->hot.gen); /* every thread's chunk of the old frame is stale now */
     return a->frame;
 }
 
@@ -567,8 +581,8 @@ sp_frame_arena *sp_frame_arena_create(const sp_frame_desc *desc, sp_result *err)
         free(extra);
         return create_fail(err, r);
     }
-    a->id = gen_take();
-    a->hot.gen = gen_take();
+    a->id = id_take();
+    a->hot.gen = gen_next(GEN_BLOCK - 1); /* a block of its own */
     a->hot.slot = __atomic_fetch_add(&arenas_made, 1, __ATOMIC_RELAXED) % SP_FRAME_SLOTS;
     a->hot.small_max = chunk / 4;
     a->buffers = n;

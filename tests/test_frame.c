@@ -417,6 +417,31 @@ static void test_slots(void) {
     for (int i = 0; i <= SP_FRAME_SLOTS; i++) sp_frame_arena_destroy(as[i]);
 }
 
+/* An arena takes its frames' generations in blocks of 2^20 (frame.c's GEN_BLOCK): past the
+ * end of its first block, every advance still makes the thread's chunk stale, and an arena of
+ * the same slot still never matches it. */
+static void test_generation_blocks(void) {
+    sp_frame_arena *x = make(2, 1u << 20, 4096, SP_FRAME_OVERFLOW_NULL), *others[SP_FRAME_SLOTS];
+    for (int i = 0; i < SP_FRAME_SLOTS; i++) others[i] = make(2, 1u << 20, 4096, 0);
+    sp_frame_arena *y = others[SP_FRAME_SLOTS - 1]; /* x's slot */
+    long bad = 0, frames = (1L << 20) + 64;
+    for (long f = 0; f < frames; f++) {
+        char *p = sp_frame_alloc(x, 16);
+        bad += sp_frame_arena_buffer_of(x, p) != (int)(f % 2);
+        if (f % 65536 == 0 || f > frames - 32) { /* y takes a chunk each time: 48 in all */
+            bad += sp_frame_arena_buffer_of(y, sp_frame_alloc(y, 16)) != 0;
+            bad += sp_frame_arena_buffer_of(x, sp_frame_alloc(x, 16)) != (int)(f % 2);
+        }
+        sp_frame_arena_advance(x, NULL);
+    }
+    ok(bad == 0 && sp_frame_arena_frame(x) == (uint64_t)frames,
+       "%ld frames (past the first block of generations): each frame's blocks from its own "
+       "buffer, none from an arena of the same slot (bad %ld)",
+       frames, bad);
+    sp_frame_arena_destroy(x);
+    for (int i = 0; i < SP_FRAME_SLOTS; i++) sp_frame_arena_destroy(others[i]);
+}
+
 /* ---- misuse ------------------------------------------------------------------------------- */
 
 static void test_misuse(void) {
@@ -817,7 +842,7 @@ static void test_churn(void) {
 }
 
 int main(void) {
-    plan(54);
+    plan(55);
     for (uint32_t n = 1; n <= 4; n++) test_lifetime(n);
     test_alignment();
     test_chunks();
@@ -827,6 +852,7 @@ int main(void) {
     test_given_region(false);
     test_given_region(true);
     test_slots();
+    test_generation_blocks();
     test_sticky();
     test_churn();
     test_misuse();
