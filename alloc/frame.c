@@ -23,7 +23,7 @@
  * other claim is fresh: one atomic add on the bump word, whose lo counts fresh claims: the
  * first hole_count of them take the holes, the rest the chunks from reserved up. A record
  * entry at or above reserved, a record older than the buffer's previous frame, or a thread
- * without a record (RECORDS per buffer) takes a fresh chunk too.
+ * without a record (RECORDS per arena, one per thread) takes a fresh chunk too.
  *
  * The bump word: lo in the low LO_BITS; hi, the byte offset where the direct ranges begin,
  * above. The chunks that may be in use lie below floor = reserved + max(0, lo - hole_count).
@@ -41,7 +41,7 @@
 #define MAX_CAPACITY ((size_t)1 << 42)
 #define MAX_CHUNKS ((size_t)1 << 19)
 #define STICKY 8      /* chunks a record keeps (asked for again) */
-#define RECORDS 64    /* claim records per buffer; threads beyond count on the bump word's line */
+#define RECORDS 64    /* claim records per arena; threads beyond count on the bump word's line */
 #define MAX_HOLES 512 /* per buffer */
 #define MIN_CHUNK ((size_t)1024)
 #define POISON_BYTE 0xFD
@@ -83,7 +83,10 @@ typedef struct claim_record {
 
 /* The chunks of a thread's first claims in each buffer, in order. An entry is written only
  * when a claim takes another chunk than the one it holds: a thread that gets its chunks of
- * last time back writes nothing here, so a frame costs it one written line (its record). */
+ * last time back writes nothing here, so a frame costs it one written line (its record). The
+ * close reads the closing buffer's entries of the threads that claimed in its frame (lines
+ * those threads read at their first claims of that frame: after a very large frame these may
+ * have left the cache, unlike the records the close reads of every thread). */
 typedef struct claim_list {
     _Alignas(64) uint32_t index[SP_FRAME_MAX_BUFFERS][STICKY];
 } claim_list;
@@ -155,7 +158,7 @@ static uint64_t id_take(void) {
  * that slot in turn). An arena takes them from blocks of GEN_BLOCK of its own (aligned; the
  * first block starts at GEN_BLOCK, so 0 is never one): one atomic add per GEN_BLOCK frames,
  * not per advance, which then holds no locked instruction that would wait for its stores. */
-#define GEN_BLOCK (UINT64_C(1) << 20)
+#define GEN_BLOCK SP_FRAME_GEN_BLOCK_
 static uint64_t gen_next(uint64_t gen) {
     gen++;
     return gen % GEN_BLOCK ? gen : __atomic_add_fetch(&gens_last, GEN_BLOCK, __ATOMIC_RELAXED);
@@ -555,7 +558,7 @@ sp_frame_arena *sp_frame_arena_create(const sp_frame_desc *desc, sp_result *err)
                                           "chunk of %zu",
                                           size, n, capacity, chunk));
     size_t chunks = capacity / chunk;
-    sp_frame_arena *a = aligned_alloc(64, sizeof *a);
+    sp_frame_arena *a = aligned_alloc(_Alignof(sp_frame_arena), sizeof *a); /* claim_slot: 128 */
     /* The close's marks, then every buffer's holes. */
     size_t mark_words = (chunks + 63) / 64;
     uint64_t *extra = calloc(mark_words + ((size_t)n * MAX_HOLES + 1) / 2, sizeof(uint64_t));

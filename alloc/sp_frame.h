@@ -23,8 +23,9 @@
  * chunk is found on every call through a fresh thread-pointer read (SP_TLS_FRESH, as the thread
  * caches do), never from an address kept across a call: a job that waits and resumes on another
  * worker allocates from that worker's chunk. A chunk is valid only while its generation matches the
- * arena's; generations come from one process-wide counter taken at create and at every advance, so
- * a thread's chunk of an older frame or of another (or a destroyed) arena is never used, and no
+ * arena's; every advance gives the arena a new generation, from blocks of SP_FRAME_GEN_BLOCK_ that
+ * each arena takes from one process-wide counter (at create and when a block is used up), so a
+ * thread's chunk of an older frame or of another (or a destroyed) arena is never used, and no
  * per-thread registry exists. Each thread keeps one chunk per arena slot (SP_FRAME_SLOTS; an
  * arena's slot is its creation number mod SP_FRAME_SLOTS): a thread alternating between two arenas
  * of one slot takes a new chunk at each switch (the old chunk's rest is lost until reclaim).
@@ -150,14 +151,14 @@ void sp_frame_arena_destroy(sp_frame_arena *a);
  * (the inline path reads it before any check). */
 
 /* Close the current frame, start the next one, reclaim its buffer. Closing reads the frame's
- * claim records (one line per thread that claimed in the arena, at most 64: its chunk count and
- * the chunks it keeps) and lists the chunks nobody kept below the highest kept one, for fresh
- * claims the next time round (O(threads + highest kept chunk / 64 + those chunks)); the
- * reclaim resets the bump state and counts in O(1), frees the heap-fallback blocks of that
- * buffer (O(their count)), and in debug builds fills or poisons the used part (O(bytes
- * used)). Fills *closed (if not NULL) with the closing frame's buffer status. Returns the new frame
- * number (frame 0 is the first). See the concurrency table: no allocation from this arena may run
- * during the call. */
+ * claim records (per thread that claimed in the arena, at most 64: a line with its chunk counts,
+ * and for the closing buffer the list of chunks it keeps) and lists the chunks nobody kept below
+ * the highest kept one, for fresh claims the next time round (O(threads + highest kept chunk / 64 +
+ * those chunks)); the reclaim resets the bump state and counts in O(1), frees the heap-fallback
+ * blocks of that buffer (O(their count)), and in debug builds fills or poisons the used part
+ * (O(bytes used)). Fills *closed (if not NULL) with the closing frame's buffer status. Returns the
+ * new frame number (frame 0 is the first). See the concurrency table: no allocation from this arena
+ * may run during the call. */
 uint64_t sp_frame_arena_advance(sp_frame_arena *a, sp_frame_buffer_status *closed);
 
 /* The current frame number. O(1). */
@@ -174,6 +175,9 @@ void sp_frame_buffer_status_get(const sp_frame_arena *a, uint32_t buffer,
                                 sp_frame_buffer_status *out);
 
 /* ---- inline fast paths; their out-of-line rest in frame.c ------------------------------- */
+
+/* Generations an arena takes at once (frame.c; a test crosses a block's end). */
+#define SP_FRAME_GEN_BLOCK_ ((uint64_t)1 << 20)
 
 /* A thread's chunk of one arena slot. gen 0 never matches an arena. */
 typedef struct sp_frame_chunk {

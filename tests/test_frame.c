@@ -417,14 +417,14 @@ static void test_slots(void) {
     for (int i = 0; i <= SP_FRAME_SLOTS; i++) sp_frame_arena_destroy(as[i]);
 }
 
-/* An arena takes its frames' generations in blocks of 2^20 (frame.c's GEN_BLOCK): past the
+/* An arena takes its frames' generations in blocks of SP_FRAME_GEN_BLOCK_ (2^20): past the
  * end of its first block, every advance still makes the thread's chunk stale, and an arena of
  * the same slot still never matches it. */
 static void test_generation_blocks(void) {
     sp_frame_arena *x = make(2, 1u << 20, 4096, SP_FRAME_OVERFLOW_NULL), *others[SP_FRAME_SLOTS];
     for (int i = 0; i < SP_FRAME_SLOTS; i++) others[i] = make(2, 1u << 20, 4096, 0);
     sp_frame_arena *y = others[SP_FRAME_SLOTS - 1]; /* x's slot */
-    long bad = 0, frames = (1L << 20) + 64;
+    long bad = 0, frames = (long)SP_FRAME_GEN_BLOCK_ + 64;
     for (long f = 0; f < frames; f++) {
         char *p = sp_frame_alloc(x, 16);
         bad += sp_frame_arena_buffer_of(x, p) != (int)(f % 2);
