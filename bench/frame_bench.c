@@ -23,8 +23,9 @@
  *             jobs meet at a spin barrier before their timed part so that wake-up latency is
  *             not timed. 2^20 allocations per thread per sample (1,024 or 256 frames) after 16
  *             untimed warm-up frames. A frame's blocks take about 140 KB (N = 1,024) or 560 KB
- *             (4,096) per thread, so the two live frames stay in the thread's L2 cache (2 MiB
- *             here). Each frame costs a few cross-core cache-line transfers whatever the
+ *             (4,096) per thread, so the two live frames stay in a 2 MiB L2 cache (the Intel
+ *             machine's; on the AMD machine's 1 MiB L2, 4,096's do not: bench/README.md,
+ *             `frame`). Each frame costs a few cross-core cache-line transfers whatever the
  *             allocator (the frame flip, the harness's own frame number): a fixed cost that
  *             N = 4,096 spreads over four times the allocations.
  *   reset     arena only: fill the current buffer with N allocations of 16..256 bytes from
