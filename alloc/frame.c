@@ -121,6 +121,7 @@ struct sp_frame_arena {
     char *region;
     size_t committed; /* bytes of region committed at create (decommitted/released at destroy) */
     bool own;         /* we reserved the region */
+    bool kept;        /* the runtime's (frame_arena_keep): destroy refuses */
     uint64_t *marks;  /* chunks bits: scratch of the close */
     /* Per buffer, written only by advance (status reads them): a line every advance touches. */
     _Alignas(64) uint64_t buf_frame[SP_FRAME_MAX_BUFFERS]; /* the frame last (or now) using it */
@@ -604,8 +605,17 @@ sp_frame_arena *sp_frame_arena_create(const sp_frame_desc *desc, sp_result *err)
     return a;
 }
 
+void frame_arena_keep(sp_frame_arena *a, bool keep) {
+    a->kept = keep;
+}
+
 void sp_frame_arena_destroy(sp_frame_arena *a) {
     if (!a) return;
+    if (a->kept) {
+        sp_misuse(SP_ERR_INVALID_ARG, "sp_frame_arena_destroy", a,
+                  "the runtime's frame arena (sp_frames): sp_shutdown destroys it");
+        return;
+    }
     for (uint32_t i = 0; i < a->buffers; i++) {
         frame_buffer *b = &a->buf[i];
         heap_list_free(a, b);

@@ -426,8 +426,17 @@ fail:
     return NULL;
 }
 
+void handle_heap_keep(sp_handle_heap *h, bool keep) {
+    h->kept = keep;
+}
+
 TRACK_INTERNAL void sp_handle_heap_destroy(sp_handle_heap *h) {
     if (!h) return;
+    if (h->kept) {
+        sp_misuse(SP_ERR_INVALID_ARG, "sp_handle_heap_destroy", h,
+                  "the runtime's handle heap (sp_handles): sp_shutdown destroys it");
+        return;
+    }
     if (heap_busy(h)) { /* compaction would go on in freed memory */
         sp_misuse(SP_ERR_BUSY, "sp_handle_heap_destroy", h,
                   "destroy during compaction (from a relocation callback?)");

@@ -69,6 +69,7 @@ struct sp_handle_heap {
     char *base, *top, *committed, *end;
     uint32_t top_prev; /* size of the block ending at top (0: none) */
     bool own_region;
+    bool kept; /* the runtime's (handle_heap_keep): destroy refuses */
     size_t live_bytes, live_handles, hole_bytes;
     size_t need_bytes; /* live blocks' header + size rounded to 16 */
     uint64_t bitmap[HCLASSES / 64];

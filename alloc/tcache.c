@@ -450,8 +450,12 @@ TRACK_INTERNAL static void *class_alloc(cache *c, uint32_t k) {
 
 /* ---- attach / detach --------------------------------------------------------------------- */
 
-static void registry_add(cache *c) {
+static bool registry_add(cache *c) {
     sp_mutex_lock(&tc.reg_lock);
+    if (tc.attach_closed) {
+        sp_mutex_unlock(&tc.reg_lock);
+        return false;
+    }
     c->reg_prev = NULL;
     c->reg_next = tc.registry;
     if (tc.registry) tc.registry->reg_prev = c;
@@ -459,6 +463,15 @@ static void registry_add(cache *c) {
     tc.cache_count++;
     c->registered = true;
     sp_mutex_unlock(&tc.reg_lock);
+    return true;
+}
+
+size_t tcache_attach_close(bool closed) {
+    sp_mutex_lock(&tc.reg_lock);
+    tc.attach_closed = closed;
+    size_t n = tc.cache_count;
+    sp_mutex_unlock(&tc.reg_lock);
+    return n;
 }
 
 static void registry_remove(cache *c) {
@@ -499,7 +512,10 @@ sp_tcache *tcache_create(void) {
     memset((char *)h + past, 0, SPAN_HEADER - past);
     cache *c = (cache *)((char *)h + SPAN_HEADER);
     tcache_cache_init(c, sp_thread_os_id());
-    registry_add(c);
+    if (!registry_add(c)) {
+        heap_free(&tc.spans, rec, "tcache_create");
+        return NULL;
+    }
     return &c->pub;
 }
 
@@ -575,7 +591,15 @@ sp_result sp_tcache_thread_attach(void) {
     if (sp_tcache_tls != &unattached.pub) return SP_OK;
     if (!tcache_ready()) return SP_ERR_NOMEM;
     sp_tcache *c = tcache_create();
-    if (!c) return SP_ERR_NOMEM;
+    if (!c) {
+        sp_mutex_lock(&tc.reg_lock);
+        bool closed = tc.attach_closed;
+        sp_mutex_unlock(&tc.reg_lock);
+        if (!closed) return SP_ERR_NOMEM;
+        sp_log(SP_LOG_WARN, SP_ERR_SHUTDOWN, "sp_tcache_thread_attach", NULL,
+               "the runtime is shutting down: no new thread cache");
+        return SP_ERR_SHUTDOWN;
+    }
     sp_tcache_tls = c;
     tls_exited = false;
     if (tc.tss_ok) tss_set(tc.tss, c);
@@ -966,6 +990,7 @@ static sp_result init_locked(const sp_tcache_desc *desc, bool lazy) {
     tc.keep_detached = d.keep_detached;
     tc.tidy_orphans = d.tidy_orphans;
     tc.explicit_attach = d.explicit_attach;
+    tc.attach_closed = false;
     sp_tcache_g.key = key_make();
     classes_init((uint32_t)d.max_class);
     size_t half = d.region_size / 2;

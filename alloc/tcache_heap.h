@@ -37,9 +37,10 @@ typedef struct tcache_state {
     /* direct[] entries of class k: [direct_first[k], direct_end[k]) (end 0: none) */
     uint8_t direct_first[SP_TCACHE_CLASSES], direct_end[SP_TCACHE_CLASSES];
 
-    sp_mutex reg_lock; /* registry, cache_count, retired_* */
+    sp_mutex reg_lock; /* registry, cache_count, retired_*, attach_closed */
     cache *registry;
     size_t cache_count;
+    bool attach_closed; /* new caches refused (tcache_attach_close: the runtime shuts down) */
     size_t retired_remote_frees, retired_collected;
     _Atomic size_t unattached_remote_frees, orphan_collected;
 

@@ -115,8 +115,14 @@ typedef struct cache {
  * check compares caches, not threads. Not for production: the thread-exit hook still
  * detaches only caches created by sp_tcache_thread_attach. */
 SP_HIDDEN sp_tcache *tcache_bind(sp_tcache *c);
-/* A new registered cache not bound to any thread, NULL if out of memory. */
+/* A new registered cache not bound to any thread, NULL if out of memory or while attaches are
+ * closed. */
 SP_HIDDEN sp_tcache *tcache_create(void);
+/* Close (or open again) the registry to new caches, atomically with counting those it holds:
+ * returns that count. Once closed, tcache_create and sp_tcache_thread_attach refuse (the
+ * runtime's sp_shutdown: no cache may appear between its check and the heap going away).
+ * sp_tcache_init opens it. */
+SP_HIDDEN size_t tcache_attach_close(bool closed);
 /* Detach c as sp_tcache_thread_detach does (c must not be bound to any running thread). */
 SP_HIDDEN void tcache_destroy(sp_tcache *c);
 

@@ -196,9 +196,16 @@ static sp_result main_thread_only(sp_jobs *s, const char *call) {
     return SP_OK;
 }
 
+void jobs_keep(sp_jobs *s, bool keep) {
+    s->kept = keep;
+}
+
 sp_result sp_jobs_shutdown(sp_jobs *s) {
     if (SP_UNLIKELY(!s))
         return sp_misuse(SP_ERR_INVALID_ARG, "sp_jobs_shutdown", s, "NULL scheduler");
+    if (SP_UNLIKELY(s->kept))
+        return sp_misuse(SP_ERR_INVALID_ARG, "sp_jobs_shutdown", s,
+                         "the runtime's scheduler (sp_scheduler): sp_shutdown stops it");
     if (main_thread_only(s, "sp_jobs_shutdown") != SP_OK) return SP_ERR_INVALID_ARG;
     worker *w = &s->workers[0];
     if (atomic_exchange(&s->closing, 1)) return SP_ERR_SHUTDOWN;
@@ -355,10 +362,10 @@ sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc) {
     sp_result r = SP_ERR_NOMEM;
     size_t wbytes = sp_align_up((s->nworkers + 1) * sizeof(worker), 64);
     s->workers = aligned_alloc(64, wbytes);
+    if (s->workers) memset(s->workers, 0, wbytes); /* before any goto fail: jobs_free reads it */
     s->records = calloc(d.max_jobs, sizeof(job));
     s->spares = calloc(d.fibers_max, sizeof(sp_fiber *));
     if (!s->workers || !s->records || !s->spares) goto fail;
-    memset(s->workers, 0, wbytes);
     for (uint32_t i = d.max_jobs; i-- > 0;) {
         s->records[i].next = s->record_free;
         s->record_free = &s->records[i];
@@ -453,6 +460,11 @@ fail:
 
 void sp_jobs_destroy(sp_jobs *s) {
     if (!s) return;
+    if (SP_UNLIKELY(s->kept)) {
+        sp_misuse(SP_ERR_INVALID_ARG, "sp_jobs_destroy", s,
+                  "the runtime's scheduler (sp_scheduler): sp_shutdown destroys it");
+        return;
+    }
     if (main_thread_only(s, "sp_jobs_destroy") != SP_OK) return; /* nothing freed */
     if (!atomic_load(&s->stopped)) sp_jobs_shutdown(s); /* stalled jobs: reported, abandoned */
     sp_fiber_thread_leave(s->workers[0].thread_fiber);

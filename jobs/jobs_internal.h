@@ -171,11 +171,12 @@ struct sp_jobs {
     _Atomic uint32_t spare_count; /* changed under spare_lock; peeked without it */
     uint32_t spare_low;           /* the fewest spares since the last sp_jobs_trim (spare_lock) */
     mpsc inject[RANKS];
-    _Atomic uint64_t idle_mask;                /* bit i: worker i is asleep or about to sleep */
-    _Atomic uint32_t hidden[RANKS];            /* running pieces that hold more jobs of each rank */
-    _Atomic uint32_t spinning;                 /* workers spinning for work */
-    _Atomic uint32_t closing;                  /* shutdown began: outside submits are refused */
-    _Atomic uint32_t stopped;                  /* shutdown finished */
+    _Atomic uint64_t idle_mask;     /* bit i: worker i is asleep or about to sleep */
+    _Atomic uint32_t hidden[RANKS]; /* running pieces that hold more jobs of each rank */
+    _Atomic uint32_t spinning;      /* workers spinning for work */
+    _Atomic uint32_t closing;       /* shutdown began: outside submits are refused */
+    bool kept;                      /* the runtime's (jobs_keep): shutdown and destroy refuse */
+    _Atomic uint32_t stopped;       /* shutdown finished */
     _Atomic uint64_t ext_taken, ext_submitted; /* records and jobs of non-worker threads */
     _Atomic int64_t deferred;                  /* records of batches waiting to start */
     _Atomic uint32_t exhaustion_logged;

@@ -101,8 +101,6 @@ sp_result sp_frame_begin(void) {
     frame_counter_check("sp_frame_begin");
     __atomic_store_n(&sp_rt.in_frame, true, __ATOMIC_RELAXED); /* sp_status_get reads it */
     sp_rt.frame_t0 = sp_time_ns();
-    sp_rt.jobs_run_t0 = sp_jobs_run_count(sp_rt.jobs);
-    sp_rt.retired_t0 = atomic_load_explicit(&sp_rt.retire_count, memory_order_relaxed);
     return SP_OK;
 }
 
@@ -169,7 +167,11 @@ sp_result sp_frame_end(void) {
     }
     frame_counter_check("sp_frame_end");
     st.wait_ns = sp_time_ns() - t_wait;
-    st.jobs_run = sp_jobs_run_count(sp_rt.jobs) - sp_rt.jobs_run_t0;
+    /* Counted from the last frame's close, not from sp_frame_begin: jobs that ran and
+     * retires made between frames count in the next frame, not in none. */
+    uint64_t jobs_run = sp_jobs_run_count(sp_rt.jobs);
+    st.jobs_run = jobs_run - sp_rt.jobs_run_t0;
+    sp_rt.jobs_run_t0 = jobs_run;
     __atomic_store_n(&sp_rt.in_frame, false, __ATOMIC_RELAXED);
 
     sp_frame_buffer_status closed;
@@ -197,7 +199,9 @@ sp_result sp_frame_end(void) {
     st.handle_bytes = hs.live_bytes;
     st.handle_fragmentation = hs.fragmentation;
     st.persistent_bytes = atomic_load_explicit(&sp_rt.persist_used, memory_order_relaxed);
-    st.retired = atomic_load_explicit(&sp_rt.retire_count, memory_order_relaxed) - sp_rt.retired_t0;
+    uint64_t retires = atomic_load_explicit(&sp_rt.retire_count, memory_order_relaxed);
+    st.retired = retires - sp_rt.retired_t0;
+    sp_rt.retired_t0 = retires;
     st.frame_ns = sp_time_ns() - sp_rt.frame_t0;
     sp_rt.last = st;
     __atomic_store_n(&sp_rt.frame, sp_rt.frame + 1, __ATOMIC_RELAXED); /* read by sp_status_get */
@@ -206,7 +210,8 @@ sp_result sp_frame_end(void) {
 
 sp_result sp_frame_stats_last(sp_frame_stats *out) {
     if (!out) return sp_misuse(SP_ERR_INVALID_ARG, "sp_frame_stats_last", out, "out is NULL");
-    if (!rt_is_up("sp_frame_stats_last")) return SP_ERR_SHUTDOWN;
+    sp_result r = rt_main_only("sp_frame_stats_last"); /* sp_frame_end writes the record */
+    if (r != SP_OK) return r;
     if (sp_rt.frame == 0) return SP_ERR_LIMIT; /* no frame closed yet */
     *out = sp_rt.last;
     return SP_OK;

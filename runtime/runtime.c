@@ -1,6 +1,7 @@
 /* The runtime's life: sp_init starts the subsystems in a fixed order over one reservation,
  * sp_shutdown stops them in reverse; regions, the persistent region, thread attach/detach,
  * and the QSBR plumbing (worker hooks, sp_retire, the reclaimer thread). */
+#include "handle_internal.h" /* heap_busy: the caller is compacting the handle heap */
 #include "jobs_internal.h"
 #include "runtime_internal.h"
 #include "tcache_heap.h" /* tc.ready: whether the thread caches are up */
@@ -57,9 +58,15 @@ sp_result rt_main_only(const char *call) {
 
 sp_result rt_frame_loop_only(const char *call) {
     sp_result r = rt_main_only(call);
-    if (r != SP_OK || SP_LIKELY(!sp_rt.in_between)) return r;
-    sp_log(SP_LOG_ERROR, SP_ERR_INVALID_ARG, call, NULL,
-           "called from sp_frame_end's between-frames step (a work or a relocation callback)");
+    if (r != SP_OK) return r;
+    /* A relocation callback of the main thread's own sp_handle_compact call between frames is
+     * not in_between, but blocks are moving under it all the same. */
+    bool compacting = sp_rt.handles && heap_busy(sp_rt.handles);
+    if (SP_LIKELY(!sp_rt.in_between && !compacting)) return SP_OK;
+    sp_log(SP_LOG_ERROR, SP_ERR_INVALID_ARG, call, NULL, "%s",
+           sp_rt.in_between
+               ? "called from sp_frame_end's between-frames step (a work or a relocation callback)"
+               : "called from a relocation callback of a handle-heap compaction");
     return SP_ERR_INVALID_ARG;
 }
 
@@ -380,10 +387,12 @@ static sp_result frames_start(void) {
     /* Debug builds leave the inline path's copy NULL: every sp_arena_alloc then comes through
      * arena_for_caller, which reports calls from threads the arena is not for. */
     sp_runtime_g.arena = SP_DEBUG ? NULL : sp_rt.arena;
+    if (sp_rt.arena) frame_arena_keep(sp_rt.arena, true); /* sp_frame_arena_destroy refuses */
     return sp_rt.arena ? SP_OK : err;
 }
 static void frames_stop(void) {
     sp_runtime_g.arena = NULL;
+    frame_arena_keep(sp_rt.arena, false);
     sp_frame_arena_destroy(sp_rt.arena);
     sp_rt.arena = NULL;
 }
@@ -396,6 +405,7 @@ static sp_result handles_start(void) {
                               .may_compact = rt_may_compact};
     sp_result err = SP_OK;
     sp_rt.handles = sp_handle_heap_create(&hd, &err);
+    if (sp_rt.handles) handle_heap_keep(sp_rt.handles, true); /* its destroy refuses */
     return sp_rt.handles ? SP_OK : err;
 }
 static void handles_stop(void) {
@@ -404,6 +414,7 @@ static void handles_stop(void) {
     if (st.live_handles)
         sp_log(SP_LOG_WARN, SP_ERR_INVALID_ARG, "sp_shutdown", sp_rt.handles,
                "%zu handles still live in the handle heap (leaked)", (size_t)st.live_handles);
+    handle_heap_keep(sp_rt.handles, false);
     sp_handle_heap_destroy(sp_rt.handles);
     sp_rt.handles = NULL;
 }
@@ -412,9 +423,10 @@ static void jobs_stop(void);
 
 static sp_result jobs_start(void) {
     qsbr_register();
-    if (sp_thread_start(&sp_rt.reclaimer, reclaimer_main, NULL, "spindle-reclaim") != SP_OK) {
+    sp_result started = sp_thread_start(&sp_rt.reclaimer, reclaimer_main, NULL, "spindle-reclaim");
+    if (started != SP_OK) {
         qsbr_unregister();
-        return SP_ERR_OS;
+        return started; /* SP_ERR_OS, or SP_ERR_NOMEM for the start record */
     }
     sp_rt.reclaimer_started = true;
     sp_jobs_desc jd = sp_rt.desc.jobs;
@@ -435,6 +447,7 @@ static sp_result jobs_start(void) {
         sp_rt.frame_counter = sp_counter_create(sp_rt.jobs, "frame");
         if (sp_rt.frame_counter) {
             jobs_counter_keep(sp_rt.frame_counter, true); /* sp_counter_destroy refuses it */
+            jobs_keep(sp_rt.jobs, true); /* so do sp_jobs_shutdown and sp_jobs_destroy */
             /* The reclaimer and the workers attach as they start: wait for them all (and
              * the main thread, which attached in caches_start). */
             sp_jobs_status js;
@@ -452,6 +465,7 @@ static sp_result jobs_start(void) {
 }
 static void jobs_stop(void) {
     if (sp_rt.jobs) {
+        jobs_keep(sp_rt.jobs, false);
         sp_jobs_shutdown(sp_rt.jobs); /* SP_ERR_SHUTDOWN when sp_shutdown did it already */
         jobs_counter_keep(sp_rt.frame_counter, false);
         sp_counter_destroy(sp_rt.frame_counter);
@@ -513,6 +527,8 @@ sp_result sp_init(const sp_desc *desc) {
     sp_rt.in_frame = false;
     sp_rt.between_count = 0;
     atomic_store(&sp_rt.retire_count, 0);
+    sp_rt.retired_t0 = 0; /* the first frame's counts start here (see sp_frame_end) */
+    sp_rt.jobs_run_t0 = sp_jobs_run_count(sp_rt.jobs);
     atomic_store(&sp_rt.stopping, false);
     __atomic_store_n(&sp_rt.up, true, __ATOMIC_RELEASE);
     return SP_OK;
@@ -539,23 +555,27 @@ sp_result sp_shutdown(void) {
         return SP_ERR_INVALID_ARG;
     }
     /* Any other cache came from sp_tcache_thread_attach called directly: its thread would
-     * use it after the heap is gone. */
-    sp_tcache_status ts;
-    sp_tcache_status_get(&ts);
+     * use it after the heap is gone. Counted as the caches close to new attaches, so that none
+     * appears while the scheduler drains below (the runtime's threads have theirs already). */
+    size_t caches = tcache_attach_close(true);
     uint32_t own = atomic_load(&sp_rt.own_caches);
-    if (ts.caches > own) {
+    if (caches > own) {
+        tcache_attach_close(false);
         atomic_store(&sp_rt.stopping, false);
         sp_log(SP_LOG_ERROR, SP_ERR_INVALID_ARG, "sp_shutdown", NULL,
                "%zu threads attached with sp_tcache_thread_attach: sp_tcache_thread_detach them "
                "first",
-               ts.caches - own);
+               caches - own);
         return SP_ERR_INVALID_ARG;
     }
     /* The scheduler first: it runs every pending job (frame jobs included) and gives the
      * result (SP_ERR_STALLED: jobs abandoned). Called from a job it refuses (logged) and
      * nothing is stopped; jobs_stop later finds it shut down and destroys it. */
+    jobs_keep(sp_rt.jobs, false);
     r = sp_jobs_shutdown(sp_rt.jobs);
     if (r == SP_ERR_INVALID_ARG) {
+        jobs_keep(sp_rt.jobs, true);
+        tcache_attach_close(false);
         atomic_store(&sp_rt.stopping, false);
         return r;
     }
@@ -665,16 +685,18 @@ void *sp_persistent_alloc(size_t size, size_t align) {
         return NULL;
     }
     const sp_region_info *reg = &sp_rt.region[SP_REGION_PERSISTENT];
+    /* Size 0 takes a byte, so that its pointer too lies inside the region (sp_region_of). */
+    size_t n = size ? size : 1;
     size_t used = atomic_load_explicit(&sp_rt.persist_used, memory_order_relaxed), start, end;
     do {
         start = sp_align_up(used, align);
-        if (size > reg->size || start > reg->size - size) {
+        if (n > reg->size || start > reg->size - n) {
             sp_log(SP_LOG_WARN, SP_ERR_NOMEM, "sp_persistent_alloc", NULL,
                    "%zu bytes do not fit: the persistent region (%zu bytes) holds %zu", size,
                    reg->size, used);
             return NULL;
         }
-        end = start + size;
+        end = start + n;
     } while (!atomic_compare_exchange_weak_explicit(&sp_rt.persist_used, &used, end,
                                                     memory_order_relaxed, memory_order_relaxed));
     if (end > atomic_load_explicit(&sp_rt.persist_committed, memory_order_acquire)) {

@@ -31,8 +31,9 @@ static inline uintptr_t sp_align_down(uintptr_t x, size_t a) {
     return x & ~(uintptr_t)(a - 1);
 }
 
-/* Tiered checks (SP_DEBUG, meson option debug_level): level 2 internal invariants, level 3 expensive walks.
- * The condition is evaluated only when the tier is enabled: no side effects allowed. */
+/* Tiered checks (SP_DEBUG, meson option debug_level): level 2 internal invariants, level 3
+ * expensive walks. The condition is evaluated only when the tier is enabled: no side effects
+ * allowed. */
 #define SP_CHECK_TIER(tier, cond, call, addr)                                                      \
     do {                                                                                           \
         if (SP_DEBUG >= (tier) && SP_UNLIKELY(!(cond)))                                            \
@@ -40,5 +41,15 @@ static inline uintptr_t sp_align_down(uintptr_t x, size_t a) {
                    __FILE__, __LINE__);                                                            \
     } while (0)
 #define SP_INVARIANT(cond, call, addr) SP_CHECK_TIER(2, cond, call, addr)
+
+/* Objects the runtime owns (sp_handles, sp_frames, sp_scheduler): while kept, the public calls
+ * that would end them refuse (misuse, SP_ERR_INVALID_ARG: sp_shutdown ends them); the runtime
+ * lets go (false) before it ends them itself. Main thread, between frames. */
+typedef struct sp_handle_heap sp_handle_heap;
+typedef struct sp_frame_arena sp_frame_arena;
+typedef struct sp_jobs sp_jobs;
+SP_HIDDEN void handle_heap_keep(sp_handle_heap *h, bool keep);
+SP_HIDDEN void frame_arena_keep(sp_frame_arena *a, bool keep);
+SP_HIDDEN void jobs_keep(sp_jobs *s, bool keep);
 
 #endif

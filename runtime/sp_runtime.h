@@ -142,14 +142,19 @@ typedef struct sp_region_info {
     size_t size;
 } sp_region_info;
 
-/* One closed frame. */
+/* One closed frame. The bytes per allocator are levels at the frame's close, what each holds
+ * (jemalloc's "allocated"), not bytes allocated during the frame: the arena's in whole chunks
+ * (a frame that allocated 16 bytes shows one chunk), the central heap's in spans. A count of
+ * the bytes each allocator handed out in the frame is not kept: it would add a counter to the
+ * thread caches' fast path. */
 typedef struct sp_frame_stats {
     uint64_t frame;      /* its number (the first frame is 0) */
     uint64_t frame_ns;   /* sp_frame_begin to the end of sp_frame_end */
     uint64_t wait_ns;    /* sp_frame_end's wait for the frame's jobs */
     uint64_t between_ns; /* between-frames work (tidy, fiber trim, registered work,
                             compaction) */
-    uint64_t jobs_run;   /* jobs that finished during the frame (all of them) */
+    uint64_t jobs_run;   /* jobs that finished since the last frame's wait (all of them,
+                            between frames included; each piece of a parallel-for counts) */
     size_t arena_bytes;  /* taken from the frame's buffer (sp_frame_buffer_status) */
     size_t arena_peak;   /* that buffer's peak over all its frames */
     size_t arena_chunks;
@@ -165,7 +170,7 @@ typedef struct sp_frame_stats {
     size_t handle_moved;         /* bytes compaction moved this frame */
     double handle_fragmentation;
     size_t persistent_bytes;
-    uint64_t retired;              /* sp_retire calls during the frame */
+    uint64_t retired;              /* sp_retire calls since the last frame's close */
     uint32_t between_skipped;      /* works not run: the budget was spent (compaction also when
                                       jobs of the caller's own counters were still running) */
     uint32_t fiber_stacks_trimmed; /* fiber stacks sp_jobs_trim gave back (every 64th frame) */
@@ -192,8 +197,9 @@ typedef struct sp_status {
  * frame_size x frame_buffers, handle_size or persistent_size): reported as
  * misuse, so debug builds abort (sp_log.h; sp_misuse_set_fatal(false) makes them return);
  * SP_ERR_INVALID_ARG, logged and never fatal, when already initialised; or the failing
- * subsystem's error, everything started so far stopped again (sp_init_failure names the
- * subsystem). */
+ * subsystem's error (e.g. SP_ERR_NOMEM, SP_ERR_OS, or SP_ERR_TOO_SMALL from the frame arenas
+ * for a frame_chunk larger than a frame buffer), everything started so far stopped again
+ * (sp_init_failure names the subsystem). */
 sp_result sp_init(const sp_desc *desc);
 
 /* The subsystem whose start failed in the last sp_init ("platform", "central heap", "thread
@@ -213,8 +219,9 @@ sp_result sp_shutdown(void);
  * reclamation knows about the thread). Returns SP_OK; SP_ERR_SHUTDOWN before init, after
  * shutdown, or when it ran into an sp_shutdown in progress (which may then still have
  * refused: SP_ERR_SHUTDOWN does not say the runtime is going down; try again later);
- * SP_ERR_INVALID_ARG on a worker, the main thread or an already attached thread. An attach
- * that gets past sp_shutdown's check makes it refuse. */
+ * SP_ERR_INVALID_ARG on a worker, the main thread or an already attached thread; SP_ERR_NOMEM
+ * without memory for the thread's cache. An attach that gets past sp_shutdown's check makes it
+ * refuse. */
 sp_result sp_thread_attach(void);
 
 /* Detach: the cache is handed back, the QSBR registration ends. Before the thread exits and
@@ -251,7 +258,8 @@ void sp_status_get(sp_status *out);
 /* The region p lies in, O(1) (four compares); SP_REGION_NONE outside the reservation. */
 sp_region sp_region_of(const void *p);
 
-/* size bytes, aligned to align (a power of two up to 4096; 0: 16), living until sp_shutdown.
+/* size bytes (0: one byte, so that the pointer lies in the region), aligned to align (a power
+ * of two up to 4096; 0: 16), living until sp_shutdown.
  * A CAS loop; growing past the committed part takes a mutex and commits 2 MiB steps. NULL
  * (logged) when the region is full or before init; a bad alignment is misuse (NULL; debug
  * builds abort). */
@@ -340,8 +348,9 @@ sp_result sp_frame_begin(void);
 sp_result sp_frame_end(void);
 
 /* The record of the last closed frame into *out. Returns SP_OK, SP_ERR_LIMIT if no frame was
- * closed yet, SP_ERR_SHUTDOWN (logged) when the runtime is not up; a NULL out is misuse
- * (SP_ERR_INVALID_ARG; debug builds abort). */
+ * closed yet, SP_ERR_SHUTDOWN (logged) when the runtime is not up, SP_ERR_INVALID_ARG (logged)
+ * from another thread than the main thread or from a job (sp_frame_end writes the record); a
+ * NULL out is misuse (SP_ERR_INVALID_ARG; debug builds abort). */
 sp_result sp_frame_stats_last(sp_frame_stats *out);
 
 /* Between-frames work: fn(user, budget_ns) runs in sp_frame_end on the main thread with the

@@ -941,6 +941,45 @@ static void test_reentry(void) {
     is_int(sp_shutdown(), SP_OK, "shutdown");
 }
 
+static sp_result from_reloc[3];
+static int relocations;
+
+static void reloc_reenters(void *user, sp_handle h, void *new_ptr, void *old_ptr) {
+    (void)user, (void)h, (void)new_ptr, (void)old_ptr;
+    relocations++;
+    from_reloc[0] = sp_frame_begin();
+    from_reloc[1] = sp_frame_end();
+    from_reloc[2] = sp_shutdown();
+}
+
+/* Nor from a relocation callback of the main thread's own sp_handle_compact call between
+ * frames (not the between-frames step, but blocks move under it all the same). */
+static void test_reentry_from_direct_compaction(void) {
+    if (!init_small(0)) return;
+    sp_handle_heap *hh = sp_handles();
+    sp_handle a = sp_handle_alloc(hh, 4096, 16);
+    sp_handle b = sp_handle_alloc_ex(hh, 4096, 16, reloc_reenters, NULL);
+    sp_handle_free(hh, a); /* b slides down into a's place */
+    ts_log_capture();
+    sp_result c = sp_handle_compact(hh, UINT64_MAX, NULL);
+    int logged = ts_logged.count;
+    ts_log_release();
+    ok(c == SP_OK && relocations == 1 && from_reloc[0] == SP_ERR_INVALID_ARG &&
+           from_reloc[1] == SP_ERR_INVALID_ARG && from_reloc[2] == SP_ERR_INVALID_ARG &&
+           logged == 3,
+       "frame_begin, frame_end and shutdown from a relocation callback of a direct compaction: "
+       "refused and logged (moves %d, logged %d)",
+       relocations, logged);
+    sp_status st;
+    sp_status_get(&st);
+    ok(st.initialised && sp_handle_resolve(hh, b) != NULL,
+       "the runtime is still up, the moved block resolves");
+    sp_handle_free(hh, b);
+    is_int(sp_frame_begin(), SP_OK, "the next frame opens");
+    sp_frame_end();
+    is_int(sp_shutdown(), SP_OK, "shutdown");
+}
+
 static sp_result from_job[4];
 
 static void job_calls_frame_loop(void *arg) {
@@ -975,6 +1014,88 @@ static void test_frame_calls_from_job(void) {
 static void sleepy_job(void *arg) {
     (void)arg;
     nanosleep(&(struct timespec){.tv_nsec = 20000000}, NULL);
+}
+
+static void free_retired(void *p) {
+    free(p);
+}
+
+/* The frame record counts jobs run and retires from the last frame's close: a frame's own,
+ * and those made between frames, in the next frame (none lost, none counted twice). */
+static void test_frame_stats_counts(void) {
+    if (!init_small(1)) return;
+    sp_job_desc j[3] = {
+        {.fn = nop_job, .name = "a"}, {.fn = nop_job, .name = "b"}, {.fn = nop_job, .name = "c"}};
+    sp_frame_stats a, b, c;
+    sp_frame_begin();
+    sp_submit(j, 3, NULL);
+    sp_retire(malloc(16), free_retired);
+    sp_frame_end();
+    sp_frame_stats_last(&a);
+    sp_counter *own = sp_counter_create(sp_scheduler(), "between");
+    sp_submit(j, 2, own); /* between frames, on a counter of our own */
+    sp_counter_wait(own, 0);
+    sp_retire(malloc(16), free_retired);
+    sp_retire(malloc(16), free_retired);
+    sp_frame_begin();
+    sp_frame_end();
+    sp_frame_stats_last(&b);
+    sp_frame_begin();
+    sp_frame_end();
+    sp_frame_stats_last(&c);
+    ok(a.jobs_run == 3 && a.retired == 1 && b.jobs_run == 2 && b.retired == 2 && c.jobs_run == 0 &&
+           c.retired == 0,
+       "jobs run / retires: 3 / 1 in a frame, 2 / 2 between frames counted in the next, then "
+       "0 / 0 (got %llu / %llu, %llu / %llu, %llu / %llu)",
+       (unsigned long long)a.jobs_run, (unsigned long long)a.retired,
+       (unsigned long long)b.jobs_run, (unsigned long long)b.retired,
+       (unsigned long long)c.jobs_run, (unsigned long long)c.retired);
+    sp_counter_destroy(own);
+    is_int(sp_shutdown(), SP_OK, "shutdown");
+}
+
+/* A full persistent region: size 0 is refused too, never a pointer past the region's end. */
+static void test_persistent_full_zero(void) {
+    if (!init_small(0)) return;
+    ts_log_capture(); /* every refusal is logged */
+    size_t taken = 0;
+    for (size_t n = (size_t)1 << 30; n; n >>= 1)
+        while (sp_persistent_alloc(n, 1)) taken += n;
+    void *z = sp_persistent_alloc(0, 1);
+    ts_log_release();
+    ok(taken > 0 && z == NULL, "a full persistent region (%zu bytes taken): size 0 gives NULL",
+       taken);
+    is_int(sp_shutdown(), SP_OK, "shutdown");
+}
+
+/* The runtime's handle heap, frame arena and scheduler end with sp_shutdown only: their own
+ * destroy (and the scheduler's shutdown) called by a user is refused and changes nothing. */
+static void test_owned_not_destroyed(void) {
+    if (!init_small(1)) return;
+    ts_log_capture();
+    sp_handle_heap_destroy(sp_handles());
+    sp_frame_arena_destroy(sp_frames());
+    sp_result js = sp_jobs_shutdown(sp_scheduler());
+    sp_jobs_destroy(sp_scheduler());
+    int logged = ts_logged.count, id = ts_logged.last_id;
+    ts_log_release();
+    ok(logged == 4 && id == SP_ERR_INVALID_ARG && js == SP_ERR_INVALID_ARG,
+       "destroying the runtime's handle heap, arena or scheduler, or shutting the scheduler "
+       "down: refused and logged (%d)",
+       logged);
+    sp_handle h = sp_handle_alloc(sp_handles(), 64, 16);
+    sp_frame_begin();
+    void *p = sp_arena_alloc(64);
+    sp_job_desc j = {.fn = nop_job, .name = "nop"};
+    sp_result sub = sp_submit(&j, 1, NULL);
+    sp_frame_end();
+    sp_frame_stats fs;
+    sp_frame_stats_last(&fs);
+    ok(sp_handle_resolve(sp_handles(), h) != NULL && p != NULL && sub == SP_OK && fs.jobs_run >= 1,
+       "the heap, the arena and the scheduler still serve (jobs run %llu)",
+       (unsigned long long)fs.jobs_run);
+    sp_handle_free(sp_handles(), h);
+    is_int(sp_shutdown(), SP_OK, "shutdown");
 }
 
 /* The frame counter is the runtime's: not destroyed by a user, and lowered below its jobs it
@@ -1441,6 +1562,10 @@ int main(void) {
     test_stray_threads();
     test_stray_free_lock_free();
     test_reentry();
+    test_reentry_from_direct_compaction();
+    test_owned_not_destroyed();
+    test_persistent_full_zero();
+    test_frame_stats_counts();
     test_frame_calls_from_job();
     test_frame_counter_misuse();
     test_exit_attached();

@@ -117,6 +117,60 @@ static void test_attach_races_shutdown(void) {
        atomic_load(&race_ok), atomic_load(&race_refused), refusals);
 }
 
+/* A thread attaching a cache directly (sp_tcache_thread_attach, not sp_thread_attach) while
+ * sp_shutdown drains the scheduler: either the attach is refused (SP_ERR_SHUTDOWN) and the
+ * shutdown goes on, or (it came first) the shutdown refuses until the thread detaches; never
+ * both succeed, which would leave the thread a cache in a heap about to be unmapped. */
+static atomic_int drain_phase; /* 1: main is about to shut down; 2: the attach was made */
+static atomic_int drain_attach = -99;
+
+static void drain_job(void *arg) {
+    (void)arg;
+    while (atomic_load(&drain_phase) < 1) sp_thread_yield();
+    nanosleep(&(struct timespec){.tv_nsec = 30000000}, NULL); /* shutdown is draining now */
+    while (atomic_load(&drain_phase) < 2) sp_thread_yield();  /* until the thread tried */
+}
+
+static void *drain_attacher(void *arg) {
+    (void)arg;
+    while (atomic_load(&drain_phase) < 1) sp_thread_yield();
+    nanosleep(&(struct timespec){.tv_nsec = 15000000}, NULL);
+    atomic_store(&drain_attach, sp_tcache_thread_attach());
+    atomic_store(&drain_phase, 2);
+    while (atomic_load(&drain_phase) < 3) sp_thread_yield(); /* main: shutdown returned */
+    sp_tcache_thread_detach();
+    return NULL;
+}
+
+static void test_direct_attach_during_drain(void) {
+    sp_desc d = ts_small_desc(1, 16);
+    if (sp_init(&d) != SP_OK) {
+        ok(0, "init");
+        return;
+    }
+    sp_counter *c = sp_counter_create(sp_scheduler(), "drain");
+    sp_job_desc j = {.fn = drain_job, .name = "drain"};
+    sp_submit(&j, 1, c);
+    pthread_t t;
+    pthread_create(&t, NULL, drain_attacher, NULL);
+    ts_log_capture();
+    atomic_store(&drain_phase, 1);
+    sp_result first = sp_shutdown();
+    int attach = atomic_load(&drain_attach);
+    atomic_store(&drain_phase, 3);
+    pthread_join(t, NULL);
+    sp_result second = first == SP_OK ? SP_OK : sp_shutdown();
+    ts_log_release();
+    ok((first == SP_OK && attach == SP_ERR_SHUTDOWN) ||
+           (first == SP_ERR_INVALID_ARG && attach == SP_OK && second == SP_OK),
+       "a direct cache attach while sp_shutdown drains: attach %s, shutdown %s (then %s): never "
+       "both succeed",
+       sp_result_name((sp_result)attach), sp_result_name(first), sp_result_name(second));
+    sp_status st;
+    sp_status_get(&st);
+    ok(!st.initialised, "the runtime is down");
+}
+
 /* Frame-counter jobs from an attached thread against the buffer flip: the thread submits jobs
  * that fill arena blocks with 0xAA at random moments while the main thread runs frames, each
  * filling blocks of its own with the frame's number and checking the last frame's (valid
@@ -188,6 +242,7 @@ static void test_attached_frame_jobs(void) {
 }
 
 int main(void) {
+    test_direct_attach_during_drain();
     test_attached_frame_jobs();
     sp_desc d = ts_small_desc(1, 64);
     if (sp_init(&d) != SP_OK) {
