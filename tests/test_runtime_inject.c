@@ -1,8 +1,12 @@
 /* sp_init's unwind under injected failures. Linked with -Wl,--wrap for mmap, mmap64, munmap
  * and pthread_create (tests/meson.build): the k-th such call made by spindle fails, for every
  * k until init gets through. After each failed init, every mapping spindle made is gone again,
- * every thread it started has been joined, the failing subsystem is named, and a later init
- * with nothing injected works. */
+ * every thread it started has been joined, no thread cache is left, the failing subsystem is
+ * named, and a later init with nothing injected works. A second pass does the same with the
+ * k-th heap allocation (malloc, calloc, realloc, aligned_alloc, posix_memalign: also wrapped)
+ * that sp_init makes on the calling thread; what a failed init leaked of them LeakSanitizer
+ * reports in the ASan build. The allocations the workers make as they start are not failed
+ * (a worker's thread-fiber record: sp_die, logged). */
 #include <dirent.h>
 #include <errno.h>
 #include <pthread.h>
@@ -23,11 +27,48 @@ void *__wrap_mmap(void *addr, size_t len, int prot, int flags, int fd, off_t off
 void *__wrap_mmap64(void *addr, size_t len, int prot, int flags, int fd, off_t off);
 int __wrap_munmap(void *addr, size_t len);
 int __wrap_pthread_create(pthread_t *t, const pthread_attr_t *a, void *(*fn)(void *), void *arg);
+void *__real_malloc(size_t n);
+void *__real_calloc(size_t n, size_t size);
+void *__real_realloc(void *p, size_t n);
+void *__real_aligned_alloc(size_t align, size_t n);
+int __real_posix_memalign(void **out, size_t align, size_t n);
+void *__wrap_malloc(size_t n);
+void *__wrap_calloc(size_t n, size_t size);
+void *__wrap_realloc(void *p, size_t n);
+void *__wrap_aligned_alloc(size_t align, size_t n);
+int __wrap_posix_memalign(void **out, size_t align, size_t n);
 
 static atomic_long calls;      /* mmap and pthread_create calls counted since arming */
 static atomic_long fail_at;    /* fail the call with this number (0: none) */
 static atomic_long mapped;     /* bytes spindle has mapped and not unmapped (fresh mappings) */
-static atomic_int failed_kind; /* 1 mmap, 2 pthread_create: what the injection hit */
+static atomic_int failed_kind; /* 1 mmap, 2 pthread_create, 3 heap: what the injection hit */
+/* The heap pass: allocations counted and failed only on this thread, while armed. */
+static pthread_t main_thread;
+static atomic_bool heap_armed;
+static atomic_long heap_calls, heap_fail_at;
+
+static bool heap_inject(void) {
+    if (!atomic_load(&heap_armed) || !pthread_equal(pthread_self(), main_thread)) return false;
+    long n = atomic_fetch_add(&heap_calls, 1) + 1;
+    if (n != atomic_load(&heap_fail_at)) return false;
+    atomic_store(&failed_kind, 3);
+    return true;
+}
+void *__wrap_malloc(size_t n) {
+    return heap_inject() ? NULL : __real_malloc(n);
+}
+void *__wrap_calloc(size_t n, size_t size) {
+    return heap_inject() ? NULL : __real_calloc(n, size);
+}
+void *__wrap_realloc(void *p, size_t n) {
+    return heap_inject() ? NULL : __real_realloc(p, n);
+}
+void *__wrap_aligned_alloc(size_t align, size_t n) {
+    return heap_inject() ? NULL : __real_aligned_alloc(align, n);
+}
+int __wrap_posix_memalign(void **out, size_t align, size_t n) {
+    return heap_inject() ? ENOMEM : __real_posix_memalign(out, align, n);
+}
 
 static bool inject(int kind) {
     long n = atomic_fetch_add(&calls, 1) + 1;
@@ -74,7 +115,39 @@ static int thread_count(void) {
     return n;
 }
 
+/* After a failed init: nothing of it left (mappings, threads, thread caches), and a new init
+ * works. False, with a diag, otherwise. */
+static bool unwound(long k, const char *who, long mapped0, int threads0, const sp_desc *d) {
+    bool good = true;
+    if (atomic_load(&mapped) != mapped0) {
+        good = false;
+        diag("k=%ld (%s): %ld bytes still mapped", k, who ? who : "?",
+             atomic_load(&mapped) - mapped0);
+    }
+    /* A joined thread may linger in /proc for a moment after pthread_join returned. */
+    uint64_t t0 = sp_time_ns();
+    while (thread_count() != threads0 && sp_time_ns() - t0 < 2000000000u) sp_thread_yield();
+    if (thread_count() != threads0) {
+        good = false;
+        diag("k=%ld (%s): %d threads, %d before", k, who ? who : "?", thread_count(), threads0);
+    }
+    sp_tcache_status ts;
+    sp_tcache_status_get(&ts);
+    if (ts.caches != 0) {
+        good = false;
+        diag("k=%ld (%s): %zu thread caches left", k, who ? who : "?", ts.caches);
+    }
+    sp_status st;
+    sp_status_get(&st);
+    if (st.initialised || sp_init(d) != SP_OK || sp_shutdown() != SP_OK) {
+        good = false;
+        diag("k=%ld: init after the failure did not work", k);
+    }
+    return good;
+}
+
 int main(void) {
+    main_thread = pthread_self();
     sp_desc d = ts_small_desc(2, 16);
     /* Warm up (one-time set-up in the C library and the sanitizers), then count a clean init. */
     if (sp_init(&d) != SP_OK || sp_shutdown() != SP_OK) {
@@ -93,8 +166,7 @@ int main(void) {
     is_int(atomic_load(&mapped), mapped0, "a clean init + shutdown unmaps everything it mapped");
 
     ts_log_capture();
-    bool named = true, unmapped = true, joined = true, reinit = true, hit_map = false,
-         hit_thread = false, hit_reservation = false;
+    bool named = true, clean = true, hit_map = false, hit_thread = false, hit_reservation = false;
     long k;
     for (k = 1; k <= clean_calls; k++) {
         atomic_store(&calls, 0);
@@ -111,31 +183,53 @@ int main(void) {
         if (atomic_load(&failed_kind) == 1) hit_map = true;
         if (atomic_load(&failed_kind) == 2) hit_thread = true;
         if (who && !strcmp(who, "platform")) hit_reservation = true;
-        if (atomic_load(&mapped) != mapped0) {
-            unmapped = false;
-            diag("k=%ld (%s): %ld bytes still mapped", k, who ? who : "?",
-                 atomic_load(&mapped) - mapped0);
-        }
-        /* A joined thread may linger in /proc for a moment after pthread_join returned. */
-        uint64_t t0 = sp_time_ns();
-        while (thread_count() != threads0 && sp_time_ns() - t0 < 2000000000u) sp_thread_yield();
-        if (thread_count() != threads0) {
-            joined = false;
-            diag("k=%ld (%s): %d threads, %d before", k, who ? who : "?", thread_count(), threads0);
-        }
-        sp_status st;
-        sp_status_get(&st);
-        if (st.initialised || sp_init(&d) != SP_OK || sp_shutdown() != SP_OK) {
-            reinit = false;
-            diag("k=%ld: init after the failure did not work", k);
-        }
+        clean = unwound(k, who, mapped0, threads0, &d) && clean;
     }
     ts_log_release();
     ok(named, "every failed init named its subsystem in the log and in sp_init_failure");
-    ok(unmapped, "after every failed init, every mapping spindle made is gone");
-    ok(joined, "after every failed init, every thread spindle started has been joined");
-    ok(reinit, "after every failed init, a new init and shutdown work");
+    ok(clean, "after every failed init: every mapping spindle made gone, every thread it started "
+              "joined, no thread cache left, and a new init and shutdown work");
     ok(hit_map && hit_reservation, "the injections hit the reservation and other mappings");
     ok(hit_thread, "the injections hit thread starts");
+
+    /* The heap pass. */
+    atomic_store(&heap_calls, 0);
+    atomic_store(&heap_armed, true);
+    sp_init(&d);
+    atomic_store(&heap_armed, false);
+    long clean_heap = atomic_load(&heap_calls);
+    sp_shutdown();
+    ok(clean_heap > 4, "a clean init makes %ld heap allocations on its thread", clean_heap);
+    ts_log_capture();
+    bool heap_named = true, heap_clean = true;
+    int failures = 0, absorbed = 0;
+    char subsystems[256] = "";
+    for (k = 1; k <= clean_heap; k++) {
+        atomic_store(&heap_calls, 0);
+        atomic_store(&failed_kind, 0);
+        atomic_store(&heap_fail_at, k);
+        atomic_store(&heap_armed, true);
+        sp_result r = sp_init(&d);
+        atomic_store(&heap_armed, false);
+        atomic_store(&heap_fail_at, 0);
+        if (r == SP_OK) { /* absorbed (e.g. a log line without memory for its text) */
+            absorbed++;
+            sp_shutdown();
+            continue;
+        }
+        failures++;
+        const char *who = sp_init_failure();
+        heap_named = heap_named && who != NULL && strstr(ts_logged.last_message, who) != NULL;
+        if (who && !strstr(subsystems, who) && strlen(subsystems) + strlen(who) + 3 < 256) {
+            strcat(subsystems, subsystems[0] ? ", " : "");
+            strcat(subsystems, who);
+        }
+        heap_clean = unwound(k, who, mapped0, threads0, &d) && heap_clean;
+    }
+    ts_log_release();
+    ok(failures > 0 && heap_named,
+       "%d of %ld failed allocations failed init, each naming its subsystem (%s); %d absorbed",
+       failures, clean_heap, subsystems, absorbed);
+    ok(heap_clean, "after each: nothing mapped, no thread, no thread cache left; a new init works");
     return done();
 }
