@@ -1066,6 +1066,10 @@ static void test_persistent_full_zero(void) {
     ok(taken > 0 && z == NULL, "a full persistent region (%zu bytes taken): size 0 gives NULL",
        taken);
     is_int(sp_shutdown(), SP_OK, "shutdown");
+    ts_log_capture();
+    void *after = sp_arena_alloc(16);
+    ts_log_release();
+    ok(after == NULL, "sp_arena_alloc after sp_shutdown: NULL (the arena is gone)");
 }
 
 /* The runtime's handle heap, frame arena and scheduler end with sp_shutdown only: their own

@@ -25,6 +25,7 @@ typedef struct lane {
 } lane;
 
 static lane lanes[JOBS];
+static atomic_ullong persistent; /* bytes the jobs took from the persistent region */
 
 static uint8_t pattern(uint64_t frame, int lane_i, int k) {
     return (uint8_t)(frame * 7 + (uint64_t)lane_i * 31 + (uint64_t)k + 1);
@@ -35,6 +36,15 @@ static void lane_job(void *arg) {
     int li = (int)(l - lanes);
     uint64_t f = l->frame;
     sp_handle_heap *hh = sp_handles();
+    if (f % 1000 == (uint64_t)li) { /* the persistent region, from a job */
+        uint8_t *p = sp_persistent_alloc(64, 16);
+        if (p) {
+            memset(p, 0x5A, 64);
+            atomic_fetch_add(&persistent, 64);
+        } else {
+            l->bad++;
+        }
+    }
     if (f % 2500 == 1) {
         for (int i = 0; i < BURST; i++) l->burst[i] = sp_handle_alloc(hh, 24, 16);
         for (int i = 0; i < BURST; i++) l->bad += sp_handle_free(hh, l->burst[i]) != SP_OK;
@@ -110,19 +120,20 @@ int main(void) {
             memset(&lanes[i], 0, sizeof lanes[i]);
             ts_rng_seed(&lanes[i].rng, 1000 + (uint64_t)i);
         }
-        uint64_t persistent = 0;
+        atomic_store(&persistent, 0);
         size_t moved = 0, overflows = 0;
+        sp_frame_stats first = {0};
         uint64_t retired = 0;
         sp_job_desc jobs[JOBS];
         for (int i = 0; i < JOBS; i++) jobs[i] = (sp_job_desc){.fn = lane_job, .arg = &lanes[i]};
         for (uint32_t f = 0; f < frames; f++) {
             sp_frame_begin();
             for (int i = 0; i < JOBS; i++) lanes[i].frame = f;
-            if (f % 1000 == 0 && sp_persistent_alloc(64, 16)) persistent += 64;
             sp_submit(jobs, JOBS, NULL);
             sp_frame_end();
             sp_frame_stats st;
             sp_frame_stats_last(&st);
+            if (f == 0) first = st;
             moved += st.handle_moved;
             retired += st.retired;
             overflows += st.arena_overflows;
@@ -183,10 +194,25 @@ int main(void) {
         ok(j1.jobs_run == j1.jobs_submitted && j1.fibers_in_use <= j0.fibers_in_use + workers + 2,
            "scheduler: %llu jobs submitted, all run; %u fibers in use",
            (unsigned long long)j1.jobs_submitted, j1.fibers_in_use);
+        sp_frame_stats last;
+        sp_frame_stats_last(&last);
+        ok(last.handle_bytes == h0.live_bytes && last.arena_overflows == 0 &&
+               last.frame == frames + 2 && last.jobs_run == workers,
+           "the last frame's record: handle bytes back to the start (%zu), frame %llu, its %llu "
+           "jobs",
+           last.handle_bytes, (unsigned long long)last.frame, (unsigned long long)last.jobs_run);
+        uint64_t want = 64 * (uint64_t)JOBS * ((frames + 999) / 1000);
+        ok(atomic_load(&persistent) == want &&
+               last.persistent_bytes - first.persistent_bytes == want - 64 * (first.frame == 0),
+           "jobs took %llu bytes from the persistent region; the records grew by as much "
+           "(%zu -> %zu)",
+           (unsigned long long)atomic_load(&persistent), first.persistent_bytes,
+           last.persistent_bytes);
         sp_status s;
         sp_status_get(&s);
-        ok(persistent == 64 * ((frames + 999) / 1000), "persistent region served %llu bytes",
-           (unsigned long long)persistent);
+        ok(s.initialised && !s.in_frame && s.frame == frames + 3 && s.attached_threads == 0,
+           "runtime status: frame %llu next, none open, no thread attached",
+           (unsigned long long)s.frame);
         is_int(sp_shutdown(), SP_OK, "shutdown");
     }
     return done();
