@@ -131,8 +131,9 @@ typedef struct sp_frame_buffer_status {
 sp_frame_arena *sp_frame_arena_create(const sp_frame_desc *desc, sp_result *err);
 
 /* Free every heap-fallback block, release the arena's own reservation or decommit the given
- * region (its address range stays the caller's), free the record. NULL is ignored. See the
- * concurrency table. Cost: O(heap-fallback blocks) + the munmap/mmap. */
+ * region (its address range stays the caller's), free the record. NULL is ignored; the
+ * runtime's own arena, sp_frames(), is refused (misuse SP_ERR_INVALID_ARG: sp_shutdown
+ * destroys it). See the concurrency table. Cost: O(heap-fallback blocks) + the munmap/mmap. */
 void sp_frame_arena_destroy(sp_frame_arena *a);
 
 /* void *sp_frame_alloc(sp_frame_arena *a, size_t size)

@@ -162,7 +162,8 @@ sp_handle_heap *sp_handle_heap_create(const sp_handle_heap_desc *desc, sp_result
 /* Free everything: tables (retired ones kept here too), committed memory, and the reservation
  * if the heap made it. Live handles die silently (status first if you want to check). NULL is
  * ignored. Alone; from a relocation callback it is refused (misuse SP_ERR_BUSY, nothing
- * freed). */
+ * freed), and so is the runtime's own heap, sp_handles() (misuse SP_ERR_INVALID_ARG:
+ * sp_shutdown destroys it). */
 void sp_handle_heap_destroy(sp_handle_heap *h);
 
 /* Allocate `size` bytes aligned to `align` (a power of two; 0 means 16). Any thread; takes the

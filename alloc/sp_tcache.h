@@ -160,7 +160,8 @@ size_t sp_tcache_shutdown(void);
  * the desc asked for explicit_attach).
  * Cost: a span of the span heap for the cache record (a page or two of it touched), the heap
  * lock and the registry lock. SP_OK, SP_ERR_NOMEM, or SP_ERR_SHUTDOWN (logged) while the
- * runtime's sp_shutdown runs (from its check for such caches on: none may appear after it). */
+ * runtime's sp_shutdown drains its scheduler (from its check for such caches on: none may
+ * appear after it); not concurrently with the rest of sp_shutdown, which ends the caches. */
 sp_result sp_tcache_thread_attach(void);
 
 /* Hand the calling thread's cache back: inboxes collected, spans with live blocks orphaned

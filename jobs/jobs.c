@@ -203,10 +203,10 @@ void jobs_keep(sp_jobs *s, bool keep) {
 sp_result sp_jobs_shutdown(sp_jobs *s) {
     if (SP_UNLIKELY(!s))
         return sp_misuse(SP_ERR_INVALID_ARG, "sp_jobs_shutdown", s, "NULL scheduler");
-    if (SP_UNLIKELY(s->kept))
+    if (main_thread_only(s, "sp_jobs_shutdown") != SP_OK) return SP_ERR_INVALID_ARG;
+    if (SP_UNLIKELY(s->kept)) /* read on the main thread, which alone writes it */
         return sp_misuse(SP_ERR_INVALID_ARG, "sp_jobs_shutdown", s,
                          "the runtime's scheduler (sp_scheduler): sp_shutdown stops it");
-    if (main_thread_only(s, "sp_jobs_shutdown") != SP_OK) return SP_ERR_INVALID_ARG;
     worker *w = &s->workers[0];
     if (atomic_exchange(&s->closing, 1)) return SP_ERR_SHUTDOWN;
     /* Drain: the main thread runs jobs until its loop sees nothing outstanding. */
@@ -460,12 +460,12 @@ fail:
 
 void sp_jobs_destroy(sp_jobs *s) {
     if (!s) return;
+    if (main_thread_only(s, "sp_jobs_destroy") != SP_OK) return; /* nothing freed */
     if (SP_UNLIKELY(s->kept)) {
         sp_misuse(SP_ERR_INVALID_ARG, "sp_jobs_destroy", s,
                   "the runtime's scheduler (sp_scheduler): sp_shutdown destroys it");
         return;
     }
-    if (main_thread_only(s, "sp_jobs_destroy") != SP_OK) return; /* nothing freed */
     if (!atomic_load(&s->stopped)) sp_jobs_shutdown(s); /* stalled jobs: reported, abandoned */
     sp_fiber_thread_leave(s->workers[0].thread_fiber);
     jobs_set_current_worker(NULL);

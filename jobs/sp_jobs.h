@@ -185,13 +185,14 @@ sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc);
  * a thread's own stack, or runs other jobs in its wait because every fiber is in use - cannot
  * be abandoned: its wait returns SP_ERR_STALLED and the job runs on; reported the same way.)
  * Threads blocked in sp_counter_wait outside the scheduler stay blocked. Main thread only, outside
- * jobs (else misuse, SP_ERR_INVALID_ARG; NULL s too). A second call does nothing and returns
+ * jobs (else misuse, SP_ERR_INVALID_ARG; NULL s too, and the runtime's own scheduler,
+ * sp_scheduler(): sp_shutdown stops it). A second call does nothing and returns
  * SP_ERR_SHUTDOWN. */
 sp_result sp_jobs_shutdown(sp_jobs *s);
 
 /* Shut down if not done (stalled jobs reported and abandoned as there), then free everything;
- * NULL is ignored. Main thread only, outside jobs: else misuse (SP_ERR_INVALID_ARG, reported;
- * nothing freed). */
+ * NULL is ignored. Main thread only, outside jobs, not the runtime's own scheduler: else misuse
+ * (SP_ERR_INVALID_ARG, reported; nothing freed). */
 void sp_jobs_destroy(sp_jobs *s);
 
 /* Submit `count` jobs (the descs are copied; the array may be reused at once). If `counter`

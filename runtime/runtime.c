@@ -347,11 +347,12 @@ static sp_result heap_start(void) {
 }
 static void heap_stop(void) {
     size_t live = sp_tcache_shutdown();
-    if (live == SIZE_MAX) /* sp_shutdown's check passed, then a thread attached directly */
+    if (live == SIZE_MAX) { /* a cache sp_shutdown did not count: not expected (see there) */
+        tcache_attach_close(false);
         sp_log(SP_LOG_ERROR, SP_ERR_INVALID_ARG, "sp_shutdown", NULL,
-               "the thread caches refused to shut down (a thread attached to them during "
-               "sp_shutdown): their memory goes with the reservation, under that thread");
-    else if (live)
+               "the thread caches refused to shut down (a cache attached that sp_shutdown did "
+               "not count): their memory goes with the reservation, under that thread");
+    } else if (live)
         sp_log(SP_LOG_WARN, SP_ERR_INVALID_ARG, "sp_shutdown", NULL,
                "%zu blocks still live in the thread caches or the central heap (leaked)", live);
 }
@@ -692,7 +693,7 @@ void *sp_persistent_alloc(size_t size, size_t align) {
         start = sp_align_up(used, align);
         if (n > reg->size || start > reg->size - n) {
             sp_log(SP_LOG_WARN, SP_ERR_NOMEM, "sp_persistent_alloc", NULL,
-                   "%zu bytes do not fit: the persistent region (%zu bytes) holds %zu", size,
+                   "%zu bytes do not fit: the persistent region (%zu bytes) holds %zu", n,
                    reg->size, used);
             return NULL;
         }

@@ -83,8 +83,12 @@
  * them before sp_init (or after sp_shutdown, before the next sp_init), like a direct
  * sp_tcache_init, makes sp_init fail (SP_ERR_INVALID_ARG, the central heap named, logged)
  * until sp_tcache_shutdown.
- * sp_frame_begin, sp_frame_end and sp_shutdown called from sp_frame_end's between-frames step
- * are refused the same way (SP_ERR_INVALID_ARG).
+ * sp_frame_begin, sp_frame_end and sp_shutdown called from sp_frame_end's between-frames step,
+ * or from a relocation callback of the main thread's own sp_handle_compact call, are refused
+ * the same way (SP_ERR_INVALID_ARG). The runtime's handle heap, frame arena and scheduler end
+ * with sp_shutdown only: sp_handle_heap_destroy(sp_handles()), sp_frame_arena_destroy(sp_frames()),
+ * sp_jobs_shutdown / sp_jobs_destroy(sp_scheduler()) are misuse (SP_ERR_INVALID_ARG, nothing
+ * done).
  */
 #ifndef SP_RUNTIME_H
 #define SP_RUNTIME_H
@@ -209,7 +213,8 @@ const char *sp_init_failure(void);
 /* Run every pending job, stop the subsystems in reverse order, release the reservation.
  * Returns SP_OK; SP_ERR_SHUTDOWN (logged) if not initialised; SP_ERR_INVALID_ARG (logged,
  * nothing stopped) inside a frame, from a job, from sp_frame_end's between-frames step (a
- * work or a relocation callback), with threads still attached, or with a thread that attached
+ * work or a relocation callback) or a relocation callback of the main thread's own
+ * sp_handle_compact, with threads still attached, or with a thread that attached
  * to the thread caches directly (sp_tcache_thread_attach); or the scheduler's SP_ERR_STALLED
  * when jobs had to be abandoned (the rest is still stopped). Leaks are reported through the
  * logger (blocks still live in the heap or handle heap). */
@@ -332,8 +337,8 @@ sp_counter *sp_frame_counter(void);
 sp_result sp_submit(const sp_job_desc *jobs, uint32_t count, sp_counter *counter);
 
 /* Open a frame (main thread, outside jobs). Returns SP_OK, SP_ERR_SHUTDOWN before init,
- * SP_ERR_INVALID_ARG (logged) if a frame is already open, from a job, or from sp_frame_end's
- * between-frames step. */
+ * SP_ERR_INVALID_ARG (logged) if a frame is already open, from a job, from sp_frame_end's
+ * between-frames step, or from a relocation callback (see the top of this file). */
 sp_result sp_frame_begin(void);
 
 /* Close the frame (main thread, outside jobs): wait for the frame counter (the main thread
@@ -344,7 +349,7 @@ sp_result sp_frame_begin(void);
  * compaction within desc.between_budget_ns, report the main thread's quiescent state (its
  * only one: see the top of this file), and close the frame's statistics record. Returns SP_OK,
  * SP_ERR_SHUTDOWN before init, SP_ERR_INVALID_ARG (logged) without an open frame, from a job,
- * or from its own between-frames step. */
+ * from its own between-frames step, or from a relocation callback. */
 sp_result sp_frame_end(void);
 
 /* The record of the last closed frame into *out. Returns SP_OK, SP_ERR_LIMIT if no frame was

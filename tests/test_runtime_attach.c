@@ -156,6 +156,7 @@ static void test_direct_attach_during_drain(void) {
     ts_log_capture();
     atomic_store(&drain_phase, 1);
     sp_result first = sp_shutdown();
+    while (atomic_load(&drain_phase) < 2) sp_thread_yield(); /* the attach was made (either way) */
     int attach = atomic_load(&drain_attach);
     atomic_store(&drain_phase, 3);
     pthread_join(t, NULL);

@@ -212,7 +212,7 @@ int main(void) {
         sp_result r = sp_init(&d);
         atomic_store(&heap_armed, false);
         atomic_store(&heap_fail_at, 0);
-        if (r == SP_OK) { /* absorbed (e.g. a log line without memory for its text) */
+        if (r == SP_OK) { /* absorbed (the debug watchdog's thread start: the scheduler goes on) */
             absorbed++;
             sp_shutdown();
             continue;
