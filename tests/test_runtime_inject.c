@@ -115,6 +115,17 @@ static int thread_count(void) {
     return n;
 }
 
+/* The documented start order (sp_runtime.h). An injected failure stops init in the subsystem
+ * starting then: as k grows, the failing subsystem never goes back in this order. */
+static const char *const start_order[] = {"platform",     "central heap", "thread caches",
+                                          "frame arenas", "handle heap",  "jobs"};
+
+static int order_of(const char *who) {
+    for (int i = 0; i < (int)(sizeof start_order / sizeof start_order[0]); i++)
+        if (who && !strcmp(who, start_order[i])) return i;
+    return -1;
+}
+
 /* After a failed init: nothing of it left (mappings, threads, thread caches), and a new init
  * works. False, with a diag, otherwise. */
 static bool unwound(long k, const char *who, long mapped0, int threads0, const sp_desc *d) {
@@ -166,7 +177,9 @@ int main(void) {
     is_int(atomic_load(&mapped), mapped0, "a clean init + shutdown unmaps everything it mapped");
 
     ts_log_capture();
-    bool named = true, clean = true, hit_map = false, hit_thread = false, hit_reservation = false;
+    bool named = true, clean = true, hit_map = false, hit_thread = false, hit_reservation = false,
+         ordered = true;
+    int last_order = -1;
     long k;
     for (k = 1; k <= clean_calls; k++) {
         atomic_store(&calls, 0);
@@ -183,6 +196,9 @@ int main(void) {
         if (atomic_load(&failed_kind) == 1) hit_map = true;
         if (atomic_load(&failed_kind) == 2) hit_thread = true;
         if (who && !strcmp(who, "platform")) hit_reservation = true;
+        int o = order_of(who);
+        ordered = ordered && o >= last_order;
+        last_order = o > last_order ? o : last_order;
         clean = unwound(k, who, mapped0, threads0, &d) && clean;
     }
     ts_log_release();
@@ -202,6 +218,7 @@ int main(void) {
     ok(clean_heap > 4, "a clean init makes %ld heap allocations on its thread", clean_heap);
     ts_log_capture();
     bool heap_named = true, heap_clean = true;
+    last_order = -1;
     int failures = 0, absorbed = 0;
     char subsystems[256] = "";
     for (k = 1; k <= clean_heap; k++) {
@@ -220,6 +237,9 @@ int main(void) {
         failures++;
         const char *who = sp_init_failure();
         heap_named = heap_named && who != NULL && strstr(ts_logged.last_message, who) != NULL;
+        int o = order_of(who);
+        ordered = ordered && o >= last_order;
+        last_order = o > last_order ? o : last_order;
         if (who && !strstr(subsystems, who) && strlen(subsystems) + strlen(who) + 3 < 256) {
             strcat(subsystems, subsystems[0] ? ", " : "");
             strcat(subsystems, who);
@@ -231,5 +251,7 @@ int main(void) {
        "%d of %ld failed allocations failed init, each naming its subsystem (%s); %d absorbed",
        failures, clean_heap, subsystems, absorbed);
     ok(heap_clean, "after each: nothing mapped, no thread, no thread cache left; a new init works");
+    ok(ordered, "in both passes the failing subsystem follows the documented start order "
+                "(platform, central heap, thread caches, frame arenas, handle heap, jobs)");
     return done();
 }
