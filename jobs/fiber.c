@@ -411,7 +411,7 @@ void sp_fiber_stack(const sp_fiber *fiber, void **lo, size_t *size) {
 
 /* ---- thread fibers --------------------------------------------------------------------- */
 
-sp_fiber *sp_fiber_thread_enter(void) {
+sp_fiber *sp_fiber_thread_record(void) {
     sp_fiber *f = calloc(1, sizeof *f);
     if (SP_UNLIKELY(!f)) {
         sp_log(SP_LOG_WARN, SP_ERR_NOMEM, "sp_fiber_thread_enter", NULL,
@@ -419,9 +419,20 @@ sp_fiber *sp_fiber_thread_enter(void) {
         return NULL;
     }
     f->state = FIBER_THREAD;
+    return f;
+}
+
+void sp_fiber_thread_bind(sp_fiber *f) {
 #if FIBER_TSAN
     f->tsan = __tsan_get_current_fiber();
+#else
+    (void)f;
 #endif
+}
+
+sp_fiber *sp_fiber_thread_enter(void) {
+    sp_fiber *f = sp_fiber_thread_record();
+    if (f) sp_fiber_thread_bind(f);
     return f;
 }
 

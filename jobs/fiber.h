@@ -138,6 +138,12 @@ uint32_t sp_fiber_pool_stacks_used(sp_fiber_pool *pool);
  * switched back to. Cost: one small heap allocation. Returns NULL if out of memory. */
 sp_fiber *sp_fiber_thread_enter(void);
 
+/* sp_fiber_thread_enter in two steps, for a thread that must not fail once it runs: the handle
+ * made on any thread (NULL if out of memory), then bound, on the thread concerned, before its
+ * first switch. A handle never bound may be freed with sp_fiber_thread_leave from any thread. */
+sp_fiber *sp_fiber_thread_record(void);
+void sp_fiber_thread_bind(sp_fiber *f);
+
 /* Free a handle from sp_fiber_thread_enter. The calling thread must be running on its own
  * stack (switched back from every pooled fiber). Misuse, reported and ignored: a pooled
  * fiber (SP_ERR_FOREIGN_POINTER). NULL is ignored. */

@@ -15,8 +15,7 @@ static void *worker_thread(void *arg) {
     uint32_t id = w->id;
     if (h->thread_start) h->thread_start(h->user, id);
     jobs_set_current_worker(w);
-    w->thread_fiber = sp_fiber_thread_enter();
-    if (!w->thread_fiber) sp_die(SP_ERR_NOMEM, "sp_jobs_create", w, "no memory for a thread fiber");
+    sp_fiber_thread_bind(w->thread_fiber); /* made by sp_jobs_create: nothing here can fail */
     w->current_fiber = w->thread_fiber;
     /* Park this stack as the thread job until shutdown makes it ready. */
     w->thread_job.fiber = w->thread_fiber;
@@ -327,6 +326,9 @@ static void jobs_free(sp_jobs *s) {
         for (uint32_t i = 0; i <= s->nworkers; i++) {
             worker *w = &s->workers[i];
             for (int r = 0; r < RANKS; r++) free(w->deque[r]);
+            /* A background worker's thread fiber, if its thread never ran (one that ran freed
+             * its own); the main thread's is left by its caller. */
+            if (i > 0) sp_fiber_thread_leave(w->thread_fiber);
         }
         free(s->workers);
     }
@@ -419,6 +421,10 @@ sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc) {
         worker *w = &s->workers[i];
         w->spares[w->spare_count++] = sp_fiber_acquire(s->pool, jobs_loop_main, NULL);
     }
+    /* The background workers' thread fibers too, here, where a failure unwinds (in the new
+     * thread it could not). */
+    for (uint32_t i = 1; i <= s->nworkers; i++)
+        if (!(s->workers[i].thread_fiber = sp_fiber_thread_record())) goto fail_fibers;
     worker *main = &s->workers[0];
     main->thread_fiber = sp_fiber_thread_enter();
     if (!main->thread_fiber) goto fail_fibers;

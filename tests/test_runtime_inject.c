@@ -5,8 +5,8 @@
  * named, and a later init with nothing injected works. A second pass does the same with the
  * k-th heap allocation (malloc, calloc, realloc, aligned_alloc, posix_memalign: also wrapped)
  * that sp_init makes on the calling thread; what a failed init leaked of them LeakSanitizer
- * reports in the ASan build. The allocations the workers make as they start are not failed
- * (a worker's thread-fiber record: sp_die, logged). */
+ * reports in the ASan build. The allocations the workers' threads make as they start are not
+ * failed (their cache records; the scheduler makes their thread fibers on this thread). */
 #include <dirent.h>
 #include <errno.h>
 #include <pthread.h>
