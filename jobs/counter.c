@@ -215,7 +215,19 @@ void sp_counter_sub(sp_counter *c, int64_t n) {
                   c->name ? c->name : "(unnamed)");
         return;
     }
-    counter_lower(c, n);
+    /* A hand lowering may take the counter below zero (a signal before its raise), not below
+     * -SP_COUNTER_MAX: past it the value would wrap (and later arithmetic on it overflow). The
+     * jobs' own lowering (counter_lower) pairs with their raise and needs no check. */
+    int64_t v = atomic_load(&c->value);
+    do {
+        if (SP_UNLIKELY(v < n - SP_COUNTER_MAX)) {
+            sp_misuse(SP_ERR_INVALID_ARG, "sp_counter_sub", c,
+                      "counter '%s' at %lld: lowering it by %lld goes below -2^62; unchanged",
+                      c->name ? c->name : "(unnamed)", (long long)v, (long long)n);
+            return;
+        }
+    } while (!atomic_compare_exchange_weak(&c->value, &v, v - n));
+    if (SP_UNLIKELY(atomic_load(&c->waiters) != NULL)) jobs_counter_wake(c);
 }
 
 sp_result jobs_counter_room(sp_counter *c, uint32_t n, const char *call) {

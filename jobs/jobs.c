@@ -192,6 +192,9 @@ static sp_result main_thread_only(sp_jobs *s, const char *call) {
     if (SP_UNLIKELY(!w || w != &s->workers[0] || w->current_job))
         return sp_misuse(SP_ERR_INVALID_ARG, call, s,
                          "called from a job or from a thread other than the main thread");
+    /* A hook of the main thread's own wait (worker_sleep, fiber_switch...) runs outside any
+     * job: a shutdown or destroy from there would pull the scheduler from under that wait. */
+    if (SP_UNLIKELY(w->in_hook)) return jobs_hook_misuse(w, call);
     return SP_OK;
 }
 
@@ -226,9 +229,11 @@ sp_result sp_jobs_shutdown(sp_jobs *s) {
         s->watchdog_started = false;
     }
     while (w->spare_count) sp_fiber_release(s->pool, w->spares[--w->spare_count]);
+    sp_mutex_lock(&s->spare_lock); /* a trim from another thread may still be in there */
     for (uint32_t i = atomic_load(&s->spare_count); i-- > 0;)
         sp_fiber_release(s->pool, s->spares[i]);
     atomic_store(&s->spare_count, 0);
+    sp_mutex_unlock(&s->spare_lock);
     atomic_store(&s->stopped, 1);
     return s->abandoned_records || atomic_load(&s->stalled_waits) ? SP_ERR_STALLED : SP_OK;
 }
@@ -503,6 +508,10 @@ uint32_t sp_jobs_trim(sp_jobs *s, uint32_t max) {
         return 0;
     }
     sp_mutex_lock(&s->spare_lock);
+    if (atomic_load(&s->closing)) { /* shutdown releases the spares itself, without the lock */
+        sp_mutex_unlock(&s->spare_lock);
+        return 0;
+    }
     uint32_t n = atomic_load_explicit(&s->spare_count, memory_order_relaxed);
     uint32_t give = s->spare_low < n ? s->spare_low : n; /* spare_low <= n: defensive */
     for (uint32_t i = 0; i < give; i++) sp_fiber_release(s->pool, s->spares[--n]);

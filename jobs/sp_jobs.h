@@ -137,7 +137,9 @@ typedef struct sp_jobs_desc {
                              a batch of unpinned same-priority jobs takes one per piece it is
                              split into; a parallel_for one per piece split off */
     uint32_t deque_size;  /* per worker and priority, a power of two (default 4096); more
-                             spill into the injection queue */
+                             spill into the injection queue. Committed at create: (workers + 1)
+                             x 3 priorities x deque_size x 8 bytes (2^24 with 63 workers is
+                             24 GiB) */
     uint32_t spin_ns;     /* idle spin before a futex sleep (default 50000) */
     uint32_t watchdog_ms; /* debug builds: report a wait that nothing can complete after this
                              long without progress (default 2000; UINT32_MAX disables) */
@@ -294,9 +296,10 @@ void sp_counter_add(sp_counter *c, int64_t n);
 
 /* Lower by n and resume the waits and start the deferred batches this satisfies. Any thread,
  * never suspends. Cost: one atomic; when something waits, an exchange that takes the wait
- * list and one compare-exchange that puts back the waiters not yet satisfied. Misuse: a
- * destroyed counter, a negative n or one above SP_COUNTER_MAX (SP_ERR_INVALID_ARG, reported;
- * no change, nothing woken). */
+ * list and one compare-exchange that puts back the waiters not yet satisfied. The value may go
+ * below zero (a signal before its raise), not below -SP_COUNTER_MAX. Misuse: a destroyed
+ * counter, a negative n or one above SP_COUNTER_MAX, a lowering past -SP_COUNTER_MAX
+ * (SP_ERR_INVALID_ARG, reported; no change, nothing woken). */
 void sp_counter_sub(sp_counter *c, int64_t n);
 
 /* The current value (a snapshot). Any thread. NULL: 0. Misuse: a destroyed counter

@@ -967,14 +967,81 @@ static void test_audit_hook_misuse(void) {
     jt_log_reset();
 }
 
-/* Fork-join deeper than the fibers: a 3-ary tree of jobs, each waiting on its children, 8
- * deep (9,841 jobs; on odd levels one child pinned to a worker). On a fixed pool (8 fibers of
- * 64 KiB) waits that find no fiber run jobs on their own stack; that nesting used to run off
- * the stack (SIGSEGV). It now stops starting jobs with a quarter of the stack left: the tree
- * completes, or the waits stall and say so (SP_ERR_STALLED) and the child is stopped after a
- * few seconds. Never a crash. On the default scheduler (128 fibers of 256 KiB, growing to
- * 4,096: more than the tree's 3,280 waiting jobs) the pool grows instead (to 1,024-2,048 here)
- * and the tree completes with no wait out of fibers. Run in a child, whose stderr is read. */
+/* A counter lowered by hand goes below zero, not below -SP_COUNTER_MAX (past it the value
+ * would wrap to a large positive one). */
+static void test_audit_counter_floor(void) {
+    if (!scheduler_begin_desc(&jt_sweep[2], (sp_jobs_desc){.workers = 1})) return;
+    sp_counter *c = counter("floor");
+    jt_log_reset();
+    sp_counter_sub(c, SP_COUNTER_MAX);
+    int64_t at_floor = sp_counter_value(c);
+    sp_counter_sub(c, 1);
+    sp_counter_sub(c, SP_COUNTER_MAX);
+    int64_t after = sp_counter_value(c);
+    ok(at_floor == -SP_COUNTER_MAX && after == -SP_COUNTER_MAX &&
+           jt_log_has(SP_ERR_INVALID_ARG, "sp_counter_sub", "below -2^62"),
+       "sp_counter_sub to -2^62 works; below it is refused and reported, the value unchanged "
+       "(%lld)",
+       (long long)after);
+    sp_counter_add(c, SP_COUNTER_MAX);
+    is_int((int)sp_counter_value(c), 0, "and raised back to 0");
+    sp_counter_destroy(c);
+    scheduler_end();
+    jt_log_reset();
+}
+
+/* The main thread's own wait runs hooks outside any job (worker_sleep here): a shutdown or
+ * destroy of the scheduler from one is refused, not run under that wait. */
+static atomic_int main_hook_tried;
+static sp_result main_hook_shutdown_rc = SP_OK;
+
+static void slow_pinned(void *arg) {
+    (void)arg;
+    nanosleep(&(struct timespec){.tv_nsec = 20000000}, NULL);
+}
+
+static void ending_sleep_hook(void *user, uint32_t index) {
+    (void)user;
+    if (index != 0 || atomic_exchange(&main_hook_tried, 1)) return;
+    main_hook_shutdown_rc = sp_jobs_shutdown(S);
+    sp_jobs_destroy(S); /* refused: reported, nothing freed */
+    atomic_store(&main_hook_tried, 2);
+}
+
+static void test_audit_main_hook_ends(void) {
+    if (!begin_with_sleep_hook(ending_sleep_hook)) return;
+    jt_log_reset();
+    sp_counter *k = counter("slow");
+    sp_job_desc j = jt_job(slow_pinned, NULL, "slow");
+    j.pinned = true;
+    j.worker = 1;
+    /* The main thread finds nothing to run while worker 1 sleeps 20 ms: it sleeps, its hook
+     * runs. */
+    bool waited = sp_jobs_submit(S, &j, 1, k) == SP_OK && sp_counter_wait(k, 0) == SP_OK;
+    int tried = atomic_load(&main_hook_tried);
+    sp_result shut = sp_jobs_shutdown(S);
+    ok(waited &&
+           (tried == 0 || (tried == 2 && main_hook_shutdown_rc == SP_ERR_INVALID_ARG &&
+                           jt_log_has(SP_ERR_INVALID_ARG, "sp_jobs_shutdown", "profiling hook") &&
+                           jt_log_has(SP_ERR_INVALID_ARG, "sp_jobs_destroy", "profiling hook"))) &&
+           shut == SP_OK,
+       "sp_jobs_shutdown and sp_jobs_destroy from the main thread's worker_sleep hook: refused "
+       "and reported (%s; hook ran: %s), the wait and the real shutdown go on",
+       sp_result_name(main_hook_shutdown_rc), tried ? "yes" : "no");
+    sp_counter_destroy(k);
+    sp_jobs_destroy(S);
+    S = NULL;
+    jt_log_reset();
+}
+
+/* Fork-join deeper than the fibers: a 3-ary tree of jobs, each
+ * waiting on its children, 8 deep (9,841 jobs; on odd levels one child pinned to a worker). On a
+ * fixed pool (8 fibers of 64 KiB) waits that find no fiber run jobs on their own stack; that
+ * nesting used to run off the stack (SIGSEGV). It now stops starting jobs with a quarter of the
+ * stack left: the tree completes, or the waits stall and say so (SP_ERR_STALLED) and the child is
+ * stopped after a few seconds. Never a crash. On the default scheduler (128 fibers of 256 KiB,
+ * growing to 4,096: more than the tree's 3,280 waiting jobs) the pool grows instead (to 1,024-2,048
+ * here) and the tree completes with no wait out of fibers. Run in a child, whose stderr is read. */
 static sp_jobs *tree_s;
 
 static void tree_node(void *arg) {
@@ -1138,6 +1205,8 @@ int main(void) {
     test_audit_stalled_nested();
     jt_deadline("audit: hooks that wait or submit", 30);
     test_audit_hook_misuse();
+    test_audit_main_hook_ends();
+    test_audit_counter_floor();
     jt_deadline("audit: a deep fork-join tree", 60);
     test_audit_deep_tree();
     jt_deadline("audit: an address-space limit", 30);
