@@ -320,6 +320,13 @@ static SP_COLD void *overflow_serve(sp_frame_arena *a, frame_buffer *b, size_t a
     if (size > SIZE_MAX - hdr) return NULL;
     char *block = a->heap_alloc(a->heap_user, align, hdr + size);
     if (!block) return NULL;
+    if (SP_UNLIKELY((uintptr_t)block & (align - 1))) { /* its header and the block would be too */
+        a->heap_free(a->heap_user, block);
+        sp_misuse(SP_ERR_BAD_ALIGNMENT, call, block,
+                  "heap_alloc returned %p for alignment %zu: freed, returning NULL", (void *)block,
+                  align);
+        return NULL;
+    }
     heap_block *h = (heap_block *)(void *)(block + hdr) - 1;
     h->block = block;
     h->next = __atomic_load_n(&b->heap, __ATOMIC_RELAXED);

@@ -34,7 +34,8 @@
  * the call returns NULL; with SP_FRAME_OVERFLOW_HEAP the request goes to heap_alloc (default:
  * the C library), the block is kept on the buffer's list and freed at its reclaim (or at
  * destroy). Either way the request is counted in the buffer's `overflows`, and the first
- * overflow of each frame is logged at SP_LOG_WARN (SP_ERR_NOMEM, "sp_frame_alloc").
+ * overflow of each frame is logged at SP_LOG_WARN (SP_ERR_NOMEM, naming the call:
+ * "sp_frame_alloc" or "sp_frame_aligned_alloc").
  *
  * Memory: the buffers are committed at create (sp_vm_commit: pages are faulted in as they are
  * first touched and stay resident afterwards: a buffer's resident size is its peak). A region
@@ -44,7 +45,9 @@
  * Debug: debug builds (SP_DEBUG >= 1) fill the used part of a buffer with 0xFD when it is
  * reclaimed; ASan builds, and Valgrind builds (-Dvalgrind=true), instead poison it through
  * track.h and make each allocation addressable one by one (their alloc calls are out of line),
- * so a pointer kept past its frame i+N-1 is reported at its first use. Reclaim then costs
+ * so a pointer kept past its frame i+N-1 is reported at its first use (until its bytes are
+ * handed out again: a thread gets its chunks of N frames ago back, so a stale write after the
+ * new frame's first allocations there may land unreported in a new block). Reclaim then costs
  * O(bytes used); release builds (SP_DEBUG 0, no tool) reclaim in O(1) (plus one free per
  * heap-fallback block).
  *
@@ -101,7 +104,9 @@ typedef struct sp_frame_desc {
                            rest of the chunk go to the buffer directly */
     sp_frame_overflow overflow;
     /* Fallback for SP_FRAME_OVERFLOW_HEAP (both NULL: posix_memalign / free). align is a power
-     * of two >= 16; called from the allocating thread, concurrently. */
+     * of two >= 16, size includes a header of max(16, align) bytes; the block returned must be
+     * aligned to align (one that is not is freed again and the request refused: misuse
+     * SP_ERR_BAD_ALIGNMENT, NULL). Called from the allocating thread, concurrently. */
     void *(*heap_alloc)(void *user, size_t align, size_t size);
     void (*heap_free)(void *user, void *p); /* from the thread calling advance or destroy */
     void *heap_user;
@@ -125,8 +130,8 @@ typedef struct sp_frame_buffer_status {
 /* Create an arena (desc NULL: all defaults). Any thread. Cost: a small malloc'd record, a
  * reservation unless given, an mprotect of the buffers. Returns the arena, or NULL with *err
  * (if err is not NULL) set: SP_ERR_INVALID_ARG (misuse: more than 4 buffers, a region not
- * page-aligned or without a size, a buffer above 4 TiB or of 2^19 chunks or more, an unknown
- * overflow mode, a heap_alloc without heap_free or the other way round), SP_ERR_TOO_SMALL
+ * page-aligned or without a size, a chunk_size or buffer above 4 TiB, 2^19 chunks or more, an
+ * unknown overflow mode, a heap_alloc without heap_free or the other way round), SP_ERR_TOO_SMALL
  * (misuse: a buffer smaller than one chunk), SP_ERR_NOMEM, SP_ERR_OS (reserve or commit). */
 sp_frame_arena *sp_frame_arena_create(const sp_frame_desc *desc, sp_result *err);
 

@@ -292,6 +292,67 @@ static void test_overflow_null(void) {
     ts_log_release();
 }
 
+/* A full buffer refuses 2^21 small requests without its bump word's claim count carrying
+ * into the direct part (chunk_fresh looks before it adds): afterwards the status and the next
+ * rounds' blocks are sane. */
+static void test_refusals_bounded(void) {
+    sp_frame_arena *a = make(2, 2 * 65536, 1024, SP_FRAME_OVERFLOW_NULL);
+    ts_log_capture(); /* the first refusal is logged */
+    while (sp_frame_alloc(a, 200)) {
+    }
+    for (long i = 0; i < (1L << 21); i++) sp_frame_alloc(a, 200);
+    ts_log_release();
+    sp_frame_buffer_status st;
+    sp_frame_buffer_status_get(a, 0, &st);
+    sp_frame_arena_advance(a, NULL);
+    sp_frame_arena_advance(a, NULL);
+    int bad = 0;
+    for (int i = 0; i < 200; i++) {
+        char *p = sp_frame_alloc(a, 300 + (size_t)i);
+        if (p && sp_frame_arena_buffer_of(a, p) != 0) bad++;
+    }
+    ok(st.bytes_used <= st.capacity && bad == 0,
+       "2^21 refused requests on a full buffer: bytes_used %zu of %zu, the next round's blocks "
+       "in their buffer (bad %d)",
+       st.bytes_used, st.capacity, bad);
+    sp_frame_arena_destroy(a);
+}
+
+/* A heap_alloc that returns a block 8 bytes past the alignment asked for. */
+static int misaligned_frees;
+static void *heap_alloc_misaligned(void *user, size_t align, size_t size) {
+    (void)user;
+    void *p = NULL;
+    if (posix_memalign(&p, align, size + align) != 0) return NULL;
+    return (char *)p + 8;
+}
+static void heap_free_misaligned(void *user, void *p) {
+    (void)user;
+    misaligned_frees++;
+    free((char *)p - 8);
+}
+
+/* The fallback's blocks are checked: one not aligned as asked is freed again and the request
+ * refused (misuse), never handed out misaligned. */
+static void test_overflow_heap_misaligned(void) {
+    sp_frame_desc d = {.region_size = 128u << 10,
+                       .buffers = 2,
+                       .chunk_size = 4096,
+                       .overflow = SP_FRAME_OVERFLOW_HEAP,
+                       .heap_alloc = heap_alloc_misaligned,
+                       .heap_free = heap_free_misaligned};
+    sp_frame_arena *a = sp_frame_arena_create(&d, NULL);
+    ts_log_capture();
+    void *p = sp_frame_aligned_alloc(a, 64, 100000); /* above the 64 KiB buffer: the heap */
+    int logged = ts_logged.count, id = ts_logged.last_id;
+    ts_log_release();
+    ok(p == NULL && misaligned_frees == 1 && id == SP_ERR_BAD_ALIGNMENT && logged == 2,
+       "a misaligned heap_alloc block is freed and the request refused (misuse logged: %d)",
+       logged);
+    sp_frame_arena_destroy(a);
+    ok(misaligned_frees == 1, "nothing of it is kept for the reclaim");
+}
+
 static void test_overflow_heap(void) {
     ts_log_capture();
     memset(&heap, 0, sizeof heap);
@@ -798,7 +859,7 @@ static void test_churn(void) {
        (void *)direct);
     sp_frame_arena_destroy(churn_arena);
 
-    /* More threads than claim records (64 per buffer): every claim counted. */
+    /* More threads than claim records (64 per arena): every claim counted. */
     enum { THREADS = 70 };
     churn_arena = make(2, 1u << 20, 1024, SP_FRAME_OVERFLOW_NULL);
     bool distinct = true;
@@ -842,13 +903,15 @@ static void test_churn(void) {
 }
 
 int main(void) {
-    plan(55);
+    plan(58);
     for (uint32_t n = 1; n <= 4; n++) test_lifetime(n);
     test_alignment();
     test_chunks();
     test_size_zero_and_buffer_of();
     test_overflow_null();
     test_overflow_heap();
+    test_overflow_heap_misaligned();
+    test_refusals_bounded();
     test_given_region(false);
     test_given_region(true);
     test_slots();
