@@ -98,8 +98,10 @@ typedef struct sp_job_desc {
 } sp_job_desc;
 
 /* Profiling hooks: each may be NULL; each is called on the thread concerned, with the worker
- * id, and must not submit, wait or block (a submit, parallel_for or counter wait from one is
- * misuse: SP_ERR_INVALID_ARG, reported, nothing done). The range sp_parallel_for runs on its
+ * id, and must not submit, wait or block (a submit, a parallel_for with work in its range, a
+ * counter wait that is not already satisfied, and a shutdown or destroy of the scheduler from
+ * one are misuse: SP_ERR_INVALID_ARG, reported, nothing done; nor may a hook use another
+ * scheduler or create one: not checked). The range sp_parallel_for runs on its
  * caller is not a job of its own (no job_begin): a wait in its body parks and resumes the
  * calling job (none for a thread outside jobs); the pieces split off are jobs named
  * "sp_parallel_for". `name` may be NULL; for a job of a batch it
