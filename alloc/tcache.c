@@ -496,7 +496,8 @@ void tcache_cache_init(cache *c, uint64_t tid) {
     c->tid = tid;
 }
 
-sp_tcache *tcache_create(void) {
+sp_tcache *tcache_create(sp_result *why) {
+    if (why) *why = SP_ERR_NOMEM;
     if (!tcache_ready()) return NULL;
     /* A cache record gets a span of its own (a page or two of it is touched), after a zeroed
      * header: a user's stale or forged free into it fails the magic check, where a record in
@@ -514,6 +515,7 @@ sp_tcache *tcache_create(void) {
     tcache_cache_init(c, sp_thread_os_id());
     if (!registry_add(c)) {
         heap_free(&tc.spans, rec, "tcache_create");
+        if (why) *why = SP_ERR_SHUTDOWN;
         return NULL;
     }
     return &c->pub;
@@ -590,15 +592,13 @@ static void thread_exit(void *arg) {
 sp_result sp_tcache_thread_attach(void) {
     if (sp_tcache_tls != &unattached.pub) return SP_OK;
     if (!tcache_ready()) return SP_ERR_NOMEM;
-    sp_tcache *c = tcache_create();
+    sp_result why;
+    sp_tcache *c = tcache_create(&why);
     if (!c) {
-        sp_mutex_lock(&tc.reg_lock);
-        bool closed = tc.attach_closed;
-        sp_mutex_unlock(&tc.reg_lock);
-        if (!closed) return SP_ERR_NOMEM;
-        sp_log(SP_LOG_WARN, SP_ERR_SHUTDOWN, "sp_tcache_thread_attach", NULL,
-               "the runtime is shutting down: no new thread cache");
-        return SP_ERR_SHUTDOWN;
+        if (why == SP_ERR_SHUTDOWN)
+            sp_log(SP_LOG_WARN, SP_ERR_SHUTDOWN, "sp_tcache_thread_attach", NULL,
+                   "the runtime is shutting down: no new thread cache");
+        return why;
     }
     sp_tcache_tls = c;
     tls_exited = false;

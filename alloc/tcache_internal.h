@@ -115,9 +115,9 @@ typedef struct cache {
  * check compares caches, not threads. Not for production: the thread-exit hook still
  * detaches only caches created by sp_tcache_thread_attach. */
 SP_HIDDEN sp_tcache *tcache_bind(sp_tcache *c);
-/* A new registered cache not bound to any thread, NULL if out of memory or while attaches are
- * closed. */
-SP_HIDDEN sp_tcache *tcache_create(void);
+/* A new registered cache not bound to any thread; NULL with *why (if not NULL) SP_ERR_NOMEM
+ * when out of memory, SP_ERR_SHUTDOWN while attaches are closed. */
+SP_HIDDEN sp_tcache *tcache_create(sp_result *why);
 /* Close (or open again) the registry to new caches, atomically with counting those it holds:
  * returns that count. Once closed, tcache_create and sp_tcache_thread_attach refuse (the
  * runtime's sp_shutdown: no cache may appear between its check and the heap going away).

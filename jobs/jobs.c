@@ -209,6 +209,11 @@ sp_result sp_jobs_shutdown(sp_jobs *s) {
     if (SP_UNLIKELY(s->kept)) /* read on the main thread, which alone writes it */
         return sp_misuse(SP_ERR_INVALID_ARG, "sp_jobs_shutdown", s,
                          "the runtime's scheduler (sp_scheduler): sp_shutdown stops it");
+    return jobs_shutdown(s);
+}
+
+sp_result jobs_shutdown(sp_jobs *s) {
+    if (main_thread_only(s, "sp_jobs_shutdown") != SP_OK) return SP_ERR_INVALID_ARG;
     worker *w = &s->workers[0];
     if (atomic_exchange(&s->closing, 1)) return SP_ERR_SHUTDOWN;
     /* Drain: the main thread runs jobs until its loop sees nothing outstanding. */

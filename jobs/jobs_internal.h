@@ -298,6 +298,8 @@ SP_HIDDEN SP_COLD sp_result jobs_counter_dead(const sp_counter *c, const char *c
 /* Mark a counter the runtime owns (keep true) so that sp_counter_destroy refuses it, or hand
  * it back (false) before the runtime destroys it. Any thread; takes s->counter_lock. */
 SP_HIDDEN void jobs_counter_keep(sp_counter *c, bool keep);
+/* sp_jobs_shutdown for the scheduler's owner: the same, a kept scheduler (jobs_keep) too. */
+SP_HIDDEN sp_result jobs_shutdown(sp_jobs *s);
 SP_HIDDEN void jobs_waiter_publish(sp_counter *c, waiter *wt);
 SP_HIDDEN void jobs_waiters_push(sp_counter *c, waiter *head, waiter *tail);
 /* jobs.c */

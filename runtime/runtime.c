@@ -466,11 +466,11 @@ static sp_result jobs_start(void) {
 }
 static void jobs_stop(void) {
     if (sp_rt.jobs) {
-        jobs_keep(sp_rt.jobs, false);
-        sp_jobs_shutdown(sp_rt.jobs); /* SP_ERR_SHUTDOWN when sp_shutdown did it already */
+        jobs_shutdown(sp_rt.jobs); /* SP_ERR_SHUTDOWN when sp_shutdown did it already */
         jobs_counter_keep(sp_rt.frame_counter, false);
         sp_counter_destroy(sp_rt.frame_counter);
         sp_rt.frame_counter = NULL;
+        jobs_keep(sp_rt.jobs, false);
         sp_jobs_destroy(sp_rt.jobs);
         sp_rt.jobs = NULL;
     }
@@ -572,10 +572,8 @@ sp_result sp_shutdown(void) {
     /* The scheduler first: it runs every pending job (frame jobs included) and gives the
      * result (SP_ERR_STALLED: jobs abandoned). Called from a job it refuses (logged) and
      * nothing is stopped; jobs_stop later finds it shut down and destroys it. */
-    jobs_keep(sp_rt.jobs, false);
-    r = sp_jobs_shutdown(sp_rt.jobs);
+    r = jobs_shutdown(sp_rt.jobs);
     if (r == SP_ERR_INVALID_ARG) {
-        jobs_keep(sp_rt.jobs, true);
         tcache_attach_close(false);
         atomic_store(&sp_rt.stopping, false);
         return r;

@@ -43,7 +43,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         if (sp_tcache_init(&(sp_tcache_desc){.region_size = (size_t)1 << 30}) != SP_OK) abort();
         ready = true;
     }
-    sp_tcache *caches[2] = {tcache_create(), tcache_create()};
+    sp_tcache *caches[2] = {tcache_create(NULL), tcache_create(NULL)};
     if (!caches[0] || !caches[1]) abort();
     sp_tcache *outer = tcache_bind(caches[0]);
     uint8_t *slot[SLOTS] = {0}, *stale[SLOTS] = {0};
@@ -96,7 +96,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         case 8: /* the bound cache goes away (orphans); a fresh one takes its place */
             tcache_bind(NULL);
             tcache_destroy(caches[who]);
-            caches[who] = tcache_create();
+            caches[who] = tcache_create(NULL);
             if (!caches[who]) abort();
             break;
         default: /* the bound cache's tidy (the every-frame call) or a full trim */
