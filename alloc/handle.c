@@ -371,8 +371,8 @@ sp_handle_heap *sp_handle_heap_create(const sp_handle_heap_desc *desc, sp_result
     size_t page = sp_page_size();
     size_t rsize = d->region_size ? d->region_size : DEFAULT_REGION;
     uint32_t maxh = d->max_handles ? d->max_handles : DEFAULT_HANDLES;
-    if ((d->region && ((uintptr_t)d->region % page || !d->region_size)) || rsize >= HMAX_REGION ||
-        rsize < HCOMMIT_STEP || maxh > ((uint32_t)1 << 24)) {
+    if ((d->region && ((uintptr_t)d->region % page || !d->region_size)) ||
+        rsize >= SP_HANDLE_REGION_LIMIT || rsize < HCOMMIT_STEP || maxh > ((uint32_t)1 << 24)) {
         r = sp_misuse(SP_ERR_INVALID_ARG, "sp_handle_heap_create", d->region,
                       "bad desc: region %p (%zu bytes), max_handles %u", d->region, rsize, maxh);
         goto fail;

@@ -17,7 +17,6 @@
 #define HUNIT_SHIFT 4
 #define HMIN_UNITS 2u                   /* a free block needs a header and two links */
 #define HCOMMIT_STEP ((size_t)16 << 10) /* commit granularity */
-#define HMAX_REGION ((size_t)64 << 30)  /* 2^32 units */
 #define HCLASSES 256                    /* free-list classes, see class_of */
 #define HMAX_ALIGN 4096u
 
@@ -115,7 +114,7 @@ SP_INLINE size_t units_bytes(uint32_t u) {
 /* Units a block of `size` bytes needs (header included); 0 if it cannot be represented, with
  * room left for the largest alignment pad (block_take adds it in 32 bits). */
 SP_INLINE uint32_t units_for(size_t size) {
-    if (size > HMAX_REGION) return 0;
+    if (size > SP_HANDLE_REGION_LIMIT) return 0;
     uint64_t u = ((uint64_t)size + HUNIT - 1) / HUNIT + 1;
     if (u > UINT32_MAX - (HMAX_ALIGN / HUNIT + HMIN_UNITS)) return 0;
     return u < HMIN_UNITS ? HMIN_UNITS : (uint32_t)u;

@@ -101,11 +101,16 @@ typedef struct sp_handle_heap sp_handle_heap;
  * refused (SP_ERR_BUSY). */
 typedef void (*sp_handle_relocate_fn)(void *user, sp_handle h, void *new_ptr, void *old_ptr);
 
+/* A handle heap's region is below this (a slot keeps the payload's offset in 32 bits of
+ * 16-byte units). */
+#define SP_HANDLE_REGION_LIMIT ((size_t)64 << 30)
+
 /* Zero means the default for every field. */
 typedef struct sp_handle_heap_desc {
     void *region;         /* reserved address range (PROT_NONE is fine: the heap commits as it
                              grows), page-aligned; NULL: the heap reserves its own */
-    size_t region_size;   /* bytes of region (below 64 GiB); 0 with region NULL: 1 GiB */
+    size_t region_size;   /* bytes of region (below SP_HANDLE_REGION_LIMIT, 64 GiB); 0 with
+                             region NULL: 1 GiB */
     uint32_t max_handles; /* live + retired slots, at most 2^24 (8 generation bits remain);
                              0: 2^20 */
     /* Retiring an old handle table after growth: retire(user, old, free_fn) must call

@@ -5,7 +5,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/resource.h>
 
 /* ---- workers --------------------------------------------------------------------------- */
 
@@ -313,19 +312,6 @@ static sp_result desc_resolve(sp_jobs_desc *d) {
     return SP_OK;
 }
 
-/* Bytes of address space the process may still map under RLIMIT_AS (SIZE_MAX: no limit, or
- * not known). */
-static size_t address_room(void) {
-    struct rlimit lim;
-    if (getrlimit(RLIMIT_AS, &lim) != 0 || lim.rlim_cur == RLIM_INFINITY) return SIZE_MAX;
-    FILE *f = fopen("/proc/self/statm", "r");
-    unsigned long pages = 0;
-    bool read = f && fscanf(f, "%lu", &pages) == 1;
-    if (f) fclose(f);
-    size_t used = (size_t)pages * sp_page_size();
-    return !read ? SIZE_MAX : lim.rlim_cur > used ? (size_t)(lim.rlim_cur - used) : 0;
-}
-
 /* Half of fibers_max `max`, not below `fibers`. */
 static uint32_t max_halved(uint32_t max, uint32_t fibers) {
     return max / 2 > fibers ? max / 2 : fibers;
@@ -411,7 +397,7 @@ sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc) {
     bool max_default = !desc || desc->fibers_max == 0;
     uint32_t *max = &s->desc.fibers_max;
     if (max_default) {
-        size_t room = address_room(), slot = d.fiber_stack + sp_page_size();
+        size_t room = sp_address_room(), slot = d.fiber_stack + sp_page_size();
         while (*max > d.fibers && (size_t)*max * slot > room / 2) *max = max_halved(*max, d.fibers);
     }
     r = sp_fiber_pool_create_growing(&s->pool, d.fibers, *max, d.fiber_stack);

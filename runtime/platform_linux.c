@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -297,6 +298,17 @@ uint32_t sp_cpu_count(void) {
 uint64_t sp_memory_size(void) {
     long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
     return pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0;
+}
+
+size_t sp_address_room(void) {
+    struct rlimit lim;
+    if (getrlimit(RLIMIT_AS, &lim) != 0 || lim.rlim_cur == RLIM_INFINITY) return SIZE_MAX;
+    FILE *f = fopen("/proc/self/statm", "r");
+    unsigned long pages = 0;
+    bool read = f && fscanf(f, "%lu", &pages) == 1;
+    if (f) fclose(f);
+    size_t used = (size_t)pages * sp_page_size();
+    return !read ? SIZE_MAX : lim.rlim_cur > used ? (size_t)(lim.rlim_cur - used) : 0;
 }
 
 uint64_t sp_time_ns(void) {

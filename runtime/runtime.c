@@ -277,8 +277,17 @@ static sp_result desc_fill(const sp_desc *in, sp_desc *d) {
     if (d->heap_size && d->heap_size < SP_TCACHE_MIN_REGION)
         return sp_misuse(SP_ERR_INVALID_ARG, "sp_init", in,
                          "heap_size %zu is below 64 MiB (the thread caches' least)", d->heap_size);
+    if (d->handle_size >= SP_HANDLE_REGION_LIMIT)
+        return sp_misuse(SP_ERR_INVALID_ARG, "sp_init", in,
+                         "handle_size %zu is 64 GiB or more (the handle heap's limit)",
+                         d->handle_size);
+    /* Sizes left 0 follow the machine's memory, or under an address-space limit (RLIMIT_AS)
+     * half the room the limit leaves if that is less: the scheduler's fiber stacks and the
+     * program need the rest (sp_jobs_create then sizes its stacks from what is left). */
     uint64_t mem = sp_memory_size();
     if (!mem) mem = 4 * (uint64_t)GiB;
+    size_t room = sp_address_room();
+    if (room != SIZE_MAX && mem > room / 2) mem = room / 2;
     if (!d->heap_size) d->heap_size = clamp_size(mem / 2, 256 * MiB, 64 * GiB);
     if (!d->frame_size) d->frame_size = clamp_size(mem / 64, 16 * MiB, 256 * MiB);
     if (!d->frame_buffers) d->frame_buffers = 2;

@@ -84,6 +84,11 @@ uint32_t sp_cpu_count(void);
 /* Bytes of physical memory (sysconf), 0 when unknown. One system call per call. */
 uint64_t sp_memory_size(void);
 
+/* Bytes of address space the process may still map under its RLIMIT_AS soft limit (what the
+ * limit leaves after what the process maps now, /proc/self/statm); SIZE_MAX when no limit is
+ * set or the mapped size cannot be read. */
+size_t sp_address_room(void);
+
 /* Monotonic clock in nanoseconds (CLOCK_MONOTONIC). Cost: one vDSO call, no system call. */
 uint64_t sp_time_ns(void);
 

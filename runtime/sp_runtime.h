@@ -107,7 +107,10 @@
 extern "C" {
 #endif
 
-/* Zero means the default for every field; the defaults are scaled to the machine. */
+/* Zero means the default for every field; the defaults are scaled to the machine: "physical
+ * memory" below means the smaller of it and half the address space an RLIMIT_AS limit leaves
+ * (under `ulimit -v 4194304`, sp_init(NULL) reserves about 1.4 GiB instead of 15.3 on a 24 GiB
+ * machine). */
 typedef struct sp_desc {
     uint32_t canary_begin;  /* must be 0: a desc that was not zero-initialised is refused */
     bool huge_pages;        /* ask for huge pages for the reservation (granted: sp_status) */
@@ -121,7 +124,8 @@ typedef struct sp_desc {
                                lives through frame i + N - 1 */
     size_t frame_chunk;     /* per-thread chunk of a buffer (0: the arena's default) */
     sp_frame_overflow frame_overflow; /* a full buffer: NULL (default) or the central heap */
-    size_t handle_size;         /* handle heap region (0: physical memory / 8, 64 MiB .. 4 GiB) */
+    size_t handle_size;         /* handle heap region (0: physical memory / 8, 64 MiB .. 4 GiB;
+                                   64 GiB or more is refused: SP_ERR_INVALID_ARG) */
     uint32_t max_handles;       /* 0: the handle heap's default */
     size_t persistent_size;     /* persistent region (0: 64 MiB) */
     uint64_t between_budget_ns; /* time sp_frame_end may spend on between-frames work
@@ -196,11 +200,11 @@ typedef struct sp_status {
 /* Start the runtime; the calling thread becomes its main thread (and the scheduler's worker
  * 0). desc may be NULL (all defaults). Cost: a reservation, thread starts, the scheduler's
  * fiber pool. Returns SP_OK; SP_ERR_INVALID_ARG for a desc that is misuse (a canary not zero,
- * frame_buffers 1 or above 4, heap_size below 64 MiB; and the subsystems' own desc checks, e.g. a
- * jobs desc sp_jobs_create refuses) and SP_ERR_OVERFLOW (a region above 64 TiB: heap_size,
- * frame_size x frame_buffers, handle_size or persistent_size): reported as
- * misuse, so debug builds abort (sp_log.h; sp_misuse_set_fatal(false) makes them return);
- * SP_ERR_INVALID_ARG, logged and never fatal, when already initialised; or the failing
+ * frame_buffers 1 or above 4, heap_size below 64 MiB, handle_size 64 GiB or more; and the
+ * subsystems' own desc checks, e.g. a jobs desc sp_jobs_create refuses) and SP_ERR_OVERFLOW (a
+ * region above 64 TiB: heap_size, frame_size x frame_buffers, handle_size or persistent_size):
+ * reported as misuse, so debug builds abort (sp_log.h; sp_misuse_set_fatal(false) makes them
+ * return); SP_ERR_INVALID_ARG, logged and never fatal, when already initialised; or the failing
  * subsystem's error (e.g. SP_ERR_NOMEM, SP_ERR_OS, or SP_ERR_TOO_SMALL from the frame arenas
  * for a frame_chunk larger than a frame buffer), everything started so far stopped again
  * (sp_init_failure names the subsystem). */

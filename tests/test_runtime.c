@@ -7,6 +7,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
 #include <time.h>
 
 #include "jobs_internal.h"    /* white box: a taker short of job records */
@@ -1196,7 +1198,70 @@ static void test_desc_sizes(void) {
            big[i].size / tib, big[i].buffers ? big[i].buffers : 2, sp_result_name(r));
         if (r == SP_OK) sp_shutdown();
     }
+    /* The handle heap's region limit, checked before anything starts. */
+    d = small_desc(0);
+    d.handle_size = SP_HANDLE_REGION_LIMIT;
+    ts_log_reset();
+    r = sp_init(&d);
+    ok(r == SP_ERR_INVALID_ARG && strstr(ts_logged.last_message, "handle_size") != NULL &&
+           sp_init_failure() == NULL,
+       "handle_size 64 GiB: SP_ERR_INVALID_ARG naming handle_size (%s), nothing started",
+       sp_result_name(r));
+    if (r == SP_OK) sp_shutdown();
     ts_log_release();
+}
+
+/* sp_init(NULL) under an address-space limit: the sizes left 0 follow the room the limit
+ * leaves (on a 24 GiB machine the defaults reserved 15.6 GiB, and init failed under
+ * `ulimit -v 4G`). In a child, with RLIMIT_AS at what it maps now plus `room` MiB. */
+static void limited_init_child(void *arg) {
+    const size_t room = *(const size_t *)arg * MiB;
+    FILE *f = fopen("/proc/self/statm", "r");
+    unsigned long pages = 0;
+    bool read = f && fscanf(f, "%lu", &pages) == 1;
+    if (f) fclose(f);
+    rlim_t at = (rlim_t)(pages * sp_page_size() + room);
+    struct rlimit lim = {at, at};
+    if (!read || setrlimit(RLIMIT_AS, &lim) != 0) _exit(3);
+    if (sp_init(NULL) != SP_OK) _exit(4);
+    sp_status st;
+    sp_status_get(&st);
+    enum { N = 16 };
+    sp_job_desc jobs[N];
+    for (int i = 0; i < N; i++) jobs[i] = (sp_job_desc){.fn = slow_job, .name = "slow"};
+    bool ran = true;
+    for (int frame = 0; frame < 4; frame++) {
+        atomic_store(&jobs_done, 0);
+        ran &= sp_frame_begin() == SP_OK && sp_submit(jobs, N, NULL) == SP_OK;
+        ran &= sp_frame_end() == SP_OK && atomic_load(&jobs_done) == N;
+    }
+    void *big = sp_tcache_alloc(64 * MiB);
+    ran &= big != NULL;
+    sp_tcache_free(big);
+    if (sp_shutdown() != SP_OK || !ran) _exit(5);
+    void *p = malloc(256 * MiB); /* the program keeps room of its own */
+    free(p);
+    _exit(st.reserved > room / 2 ? 6 : !p ? 7 : 0);
+}
+
+static void test_desc_address_limit(void) {
+    if (ts_sanitized()) { /* no line: such a limit breaks the sanitizers' shadow mappings */
+        diag("address-space limit cases not run under a sanitizer or Valgrind");
+        return;
+    }
+    static char text[8192];
+    static const size_t rooms[] = {4096, 2048};
+    for (size_t i = 0; i < SP_ARRAY_LEN(rooms); i++) {
+        int status = ts_child(limited_init_child, (void *)&rooms[i], text, sizeof text);
+        int code = status != -1 && WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+        ok(code == 0,
+           "sp_init(NULL) under an address-space limit of %zu MiB more than mapped: it starts, "
+           "reserving at most half of that, frames run, 256 MiB are left for the program "
+           "(exit %d; 4: init failed, 5: a frame or shutdown failed, 6: reserved more, 7: no "
+           "room left)",
+           rooms[i], code);
+        if (code != 0) diag("child stderr:\n%s", text);
+    }
 }
 
 static atomic_int before_init_told;
@@ -1574,6 +1639,7 @@ int main(void) {
     test_frame_counter_misuse();
     test_exit_attached();
     test_desc_sizes();
+    test_desc_address_limit();
     test_caches_before_init();
     test_attached_submit_next_frame();
     test_gate_records();
