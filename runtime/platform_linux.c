@@ -220,13 +220,20 @@ sp_result sp_vm_commit(void *p, size_t size) {
 sp_result sp_vm_decommit(void *p, size_t size) {
     if (SP_UNLIKELY(!range_valid("sp_vm_decommit", p, size))) return SP_ERR_INVALID_ARG;
     if (size == 0) return SP_OK;
-    /* First make sure every page of the range is mapped (released or never reserved pages
-     * MAP_FIXED would map afresh and never release), then map fresh PROT_NONE pages over it:
-     * that drops the old pages (no RSS left behind, unlike MADV_FREE) and keeps the
-     * reservation NORESERVE. Two system calls, as before the check (an mprotect to NONE found
-     * holes, but changed the pages in front of one first). */
+    /* First make sure every page of the range is mapped (mprotect and madvise would change
+     * the pages in front of a hole before failing). MADV_DONTNEED drops the pages (no RSS left
+     * behind, unlike MADV_FREE) and mprotect makes the range inaccessible again; both keep the
+     * mapping's flags (MAP_NORESERVE, the MADV_HUGEPAGE advice), so the range merges back with
+     * its neighbours. Mapping fresh pages over it instead (MAP_FIXED) dropped the advice and
+     * left one more mapping per decommitted range. Explicit huge pages refuse a DONTNEED not
+     * aligned to their size: those ranges are mapped afresh, as normal pages. */
     sp_result m = range_mapped("sp_vm_decommit", p, size);
     if (SP_UNLIKELY(m != SP_OK)) return m;
+    if (SP_LIKELY(madvise(p, size, MADV_DONTNEED) == 0)) {
+        if (SP_UNLIKELY(mprotect(p, size, PROT_NONE) != 0))
+            return os_fail("sp_vm_decommit", p, "mprotect(NONE)", size, errno);
+        return SP_OK;
+    }
     void *r =
         mmap(p, size, PROT_NONE, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (SP_UNLIKELY(r == MAP_FAILED))

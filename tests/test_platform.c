@@ -1,8 +1,10 @@
 /* The platform layer: virtual memory, clocks, threads and futexes against the real OS. */
 #include <errno.h>
+#include <inttypes.h>
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
@@ -189,6 +191,58 @@ static void test_huge(void) {
     sp_vm_release(p, size);
 }
 
+/* The mappings (/proc/self/smaps) overlapping [p, p + size): how many, and how many carry
+ * the MADV_HUGEPAGE advice (VmFlags "hg"). */
+static void range_mappings(const void *p, size_t size, int *maps, int *advised) {
+    *maps = *advised = 0;
+    FILE *f = fopen("/proc/self/smaps", "r");
+    char line[512];
+    bool in = false;
+    const uintptr_t lo = (uintptr_t)p, hi = lo + size;
+    while (f && fgets(line, sizeof line, f)) {
+        uintptr_t a, b;
+        char perms[5];
+        if (sscanf(line, "%" SCNxPTR "-%" SCNxPTR " %4s", &a, &b, perms) == 3) {
+            in = a < hi && b > lo;
+            *maps += in;
+        } else if (in && !strncmp(line, "VmFlags:", 8)) {
+            *advised += strstr(line, " hg") != NULL;
+        }
+    }
+    if (f) fclose(f);
+}
+
+/* Decommit keeps the range's mapping: committed again, the range merges back with its
+ * neighbours, and a transparent-huge-page reservation keeps its MADV_HUGEPAGE advice. (Mapping
+ * fresh pages over the range lost the advice, so each decommitted range stayed a mapping of
+ * its own, without huge pages.) */
+static void test_decommit_keeps_mapping(void) {
+    const size_t two = (size_t)2 << 20, size = 16 * two;
+    sp_page_kind kind = SP_PAGES_NORMAL;
+    unsigned char *p = sp_vm_reserve(size, 0, true, &kind);
+    if (!p || sp_vm_commit(p, size) != SP_OK) {
+        ok(0, "reserve+commit 32 MiB for the mapping check");
+        ok(0, "advice kept");
+        return;
+    }
+    int maps0, advised0, maps, advised;
+    range_mappings(p, size, &maps0, &advised0);
+    bool done = true;
+    for (size_t i = 1; i < 16; i += 2) done &= sp_vm_decommit(p + i * two, two) == SP_OK;
+    done &= sp_vm_commit(p, size) == SP_OK;
+    range_mappings(p, size, &maps, &advised);
+    ok(done && maps0 == 1 && maps == 1,
+       "8 ranges decommitted and the whole committed again: one mapping, as before (%d, then "
+       "%d)",
+       maps0, maps);
+    if (kind == SP_PAGES_TRANSPARENT)
+        ok(advised0 == 1 && advised == maps,
+           "... with the MADV_HUGEPAGE advice still on it (%d of %d mappings)", advised, maps);
+    else
+        skip("transparent huge pages not granted here");
+    sp_vm_release(p, size);
+}
+
 /* Checks a misuse or OS failure: the result and what the capturing logger saw. */
 static void check_logged(int count_before, sp_result want, const char *call, const void *addr) {
     ok(ts_logged.count == count_before + 1 && ts_logged.last_id == want &&
@@ -359,19 +413,20 @@ static void test_futex(void) {
 }
 
 int main(void) {
-    plan(53);
-    test_page_size();      /* 1 */
-    test_reserve_commit(); /* 3 */
-    test_alignment();      /* 2 */
-    test_decommit_zero();  /* 3 */
-    test_purge();          /* 3 */
-    test_partial_range();  /* 1 */
-    test_guard();          /* 3 */
-    test_huge();           /* 4 */
-    test_bad_args();       /* 14 */
-    test_cpu_count();      /* 2 */
-    test_clocks();         /* 3 */
-    test_threads();        /* 7 */
-    test_futex();          /* 3 */
+    plan(55);
+    test_page_size();              /* 1 */
+    test_reserve_commit();         /* 3 */
+    test_alignment();              /* 2 */
+    test_decommit_zero();          /* 3 */
+    test_purge();                  /* 3 */
+    test_partial_range();          /* 1 */
+    test_guard();                  /* 3 */
+    test_huge();                   /* 4 */
+    test_decommit_keeps_mapping(); /* 2 */
+    test_bad_args();               /* 14 */
+    test_cpu_count();              /* 2 */
+    test_clocks();                 /* 3 */
+    test_threads();                /* 7 */
+    test_futex();                  /* 3 */
     return done();
 }
