@@ -27,10 +27,16 @@ _Static_assert(sizeof(pthread_t) <= sizeof(uintptr_t), "sp_thread.os must hold a
 
 /* ---- errors ---------------------------------------------------------------------------- */
 
-/* Thread-safe text for an errno value; `buf` is used only when the libc needs it. */
+/* Text for an errno value, safe inside malloc: strerrordesc_np takes no lock and allocates
+ * nothing. (strerror_r translates through gettext, which takes glibc's locale lock: a malloc
+ * that failed inside textdomain, under that lock, left the process hung in it.) `buf` is used
+ * only when the libc has no such call. */
 static const char *errno_text(int err, char *buf, size_t n) {
-#if defined(__GLIBC__)
-    return strerror_r(err, buf, n); /* GNU variant: returns the text */
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || __GLIBC_MINOR__ >= 32)
+    const char *text = strerrordesc_np(err);
+    if (text) return text;
+    snprintf(buf, n, "errno %d", err);
+    return buf;
 #else
     snprintf(buf, n, "errno %d", err);
     return buf;

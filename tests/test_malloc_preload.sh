@@ -30,7 +30,7 @@ fresh() { # start a test's stats; the ones before are kept in all_stats for the 
 }
 n_served=0
 n_fresh=0
-echo "1..9"
+echo "1..10"
 
 # 1. A shell pipeline: sort and awk over 200,000 lines, the shell itself preloaded too.
 fresh
@@ -231,4 +231,12 @@ ok $([[ $got == "conventions ok" ]] && served; echo $?) "error conventions (EINV
 fresh
 ok $([[ $n_served == 7 && $n_fresh == 7 ]] && ! grep -q 'SP_ERR' "$TMP/all_stats"; echo $?) "no misuse reported by any of those processes, $n_served of $n_fresh tests served by the library"
 grep 'SP_ERR' "$TMP/all_stats" | head -5 | sed 's/^/# /'
+
+# 10. Under an address-space limit below the library's least reservation (1 GiB), a program
+#     whose first allocation happens under glibc's locale lock (coreutils' textdomain) still
+#     ends: the failure's log line translated errno through gettext, which waits for that lock,
+#     and the process hung there.
+got=$(ulimit -v 900000 && timeout 60 bash -c 'LD_PRELOAD=$1 exec /bin/echo ok' - "$LIB" 2>"$TMP/limited")
+rc=$?
+ok $([[ $rc == 0 && $got == ok ]] && grep -q 'SP_ERR_OS' "$TMP/limited"; echo $?) "echo under ulimit -v 900000: the reservation fails (logged), the program ends: '$got' (rc $rc; 124: hung)"
 exit $failed
