@@ -524,7 +524,10 @@ sp_result sp_init(const sp_desc *desc) {
         r = subsystems[i].start();
         if (r != SP_OK) {
             sp_rt.failure = subsystems[i].name;
-            sp_log(SP_LOG_ERROR, r, "sp_init", NULL,
+            /* A resource failure is a warning, as everywhere (sp_log.h); a refusal of the
+             * desc by the subsystem's own checks is misuse, reported there already. */
+            bool resource = r == SP_ERR_NOMEM || r == SP_ERR_OS;
+            sp_log(resource ? SP_LOG_WARN : SP_LOG_ERROR, r, "sp_init", NULL,
                    "%s failed to start (%s); stopping the %d "
                    "started before it",
                    subsystems[i].name, sp_result_name(r), i);

@@ -30,6 +30,7 @@ static void log_capture(void *user, const sp_log_record *rec) {
     (void)user;
     pthread_mutex_lock(&logged_lock);
     ts_logged.count++;
+    ts_logged.last_level = rec->level;
     ts_logged.last_id = rec->id;
     ts_logged.last_addr = rec->addr;
     snprintf(ts_logged.last_call, sizeof ts_logged.last_call, "%s", rec->call ? rec->call : "");

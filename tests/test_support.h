@@ -15,6 +15,7 @@
 /* Capturing logger: records the last message and counts per id. */
 typedef struct ts_log {
     int count; /* records seen since ts_log_capture / ts_log_reset */
+    sp_log_level last_level;
     sp_result last_id;
     const void *last_addr;
     char last_call[64];
