@@ -198,7 +198,7 @@ setup_dir() {
         say "spin: $dir was configured differently: removing it and configuring again"
     fi
     rm -rf "$dir"
-    env "${env_ref[@]}" meson setup "$dir" "${opts_ref[@]}" </dev/null || return 1
+    bounded env "${env_ref[@]}" meson setup "$dir" "${opts_ref[@]}" || return 1
     printf '%s\n%s\n' "$want" "$(build_options "$dir")" >"$stamp"
 }
 
@@ -223,29 +223,39 @@ DEADLINE=
 
 # timed LABEL CMD...: run CMD, print and keep its wall time, return its status (124: stopped
 # or not started for the time budget).
+# bounded CMD...: run an external command, stopped at the end of the time budget (exit status
+# 124, said once) when DEADLINE is set.
+bounded() {
+    [[ -z $DEADLINE ]] && { "$@" </dev/null; return; }
+    local left rc
+    left=$(awk -v d="$DEADLINE" -v n="$(now)" 'BEGIN { printf "%d", d - n }')
+    if ((left <= 0)); then
+        say "spin: the time budget (SPIN_BUDGET) is spent: '$1' not run"
+        return 124
+    fi
+    # On a terminal, --foreground keeps the command in the terminal's process group, so that
+    # Ctrl-C still stops it (its own child processes are then not killed at the end of the
+    # budget); CI has no terminal.
+    local fg=()
+    [[ -t 0 ]] && fg=(--foreground)
+    timeout "${fg[@]}" --kill-after=30 "$left" "$@" </dev/null
+    rc=$?
+    ((rc == 124)) && say "spin: '$1' stopped at the end of the time budget (SPIN_BUDGET)"
+    return "$rc"
+}
+
+# timed LABEL CMD...: run CMD (an external command goes through `bounded`; a function bounds
+# its own commands), print and keep its time.
 timed() {
-    local label=$1 t0 rc left
+    local label=$1 t0 rc
     shift
     t0=$(now)
-    if [[ -n $DEADLINE && $1 == meson ]]; then
-        left=$(awk -v d="$DEADLINE" -v n="$(now)" 'BEGIN { printf "%d", d - n }')
-        if ((left <= 0)); then
-            say "spin: the time budget (SPIN_BUDGET) is spent: '$label' not run"
-            rc=124
-        else
-            # On a terminal, --foreground keeps meson in the terminal's process group, so that
-            # Ctrl-C still stops it (its own test processes are then not killed at the end of
-            # the budget); CI has no terminal.
-            local fg=()
-            [[ -t 0 ]] && fg=(--foreground)
-            timeout "${fg[@]}" --kill-after=30 "$left" "$@" </dev/null
-            rc=$?
-            ((rc == 124)) && say "spin: '$label' stopped at the end of the time budget (SPIN_BUDGET)"
-        fi
+    if [[ $(type -t "$1") == file ]]; then
+        bounded "$@"
     else
         "$@" </dev/null
-        rc=$?
     fi
+    rc=$?
     local secs
     secs=$(elapsed "$t0")
     say "---- $label: ${secs} s (exit status $rc)"
@@ -301,7 +311,7 @@ check_libfuzzer() {
         'int LLVMFuzzerTestOneInput(const uint8_t *d, size_t n);' \
         'int LLVMFuzzerTestOneInput(const uint8_t *d, size_t n) { (void)d; (void)n; return 0; }' \
         >"$tmp/f.c"
-    clang-14 -fsanitize=fuzzer,address "$tmp/f.c" -o "$tmp/f" >"$tmp/log" 2>&1
+    bounded clang-14 -fsanitize=fuzzer,address "$tmp/f.c" -o "$tmp/f" >"$tmp/log" 2>&1
     rc=$?
     if ((rc != 0)); then
         cat "$tmp/log"
