@@ -259,10 +259,11 @@ static bool pin_thread(int t, cpu_set_t *old) {
     int cpus = CPU_COUNT(old), k = t % (cpus > 0 ? cpus : 1), cpu = -1;
     for (int i = 0; i < CPU_SETSIZE && k >= 0; i++)
         if (CPU_ISSET(i, old) && k-- == 0) cpu = i;
+    if (cpu < 0) return false;
     cpu_set_t one;
     CPU_ZERO(&one);
     CPU_SET(cpu, &one);
-    return cpu >= 0 && pthread_setaffinity_np(pthread_self(), sizeof one, &one) == 0;
+    return pthread_setaffinity_np(pthread_self(), sizeof one, &one) == 0;
 }
 
 /* Before the peak is reset, each thread allocates one block of every 16-byte size step the case
