@@ -63,6 +63,15 @@ static inline void track_pool(const void *p, size_t n) {
     (void)p, (void)n;
 }
 
+/* [p, p+n) was decommitted in place (sp_vm_decommit): for Valgrind, inaccessible as a fresh
+ * PROT_NONE mapping is, so that a later commit makes it zeroed, defined memory again. */
+static inline void track_fresh(const void *p, size_t n) {
+#if TRACK_VALGRIND
+    VALGRIND_MAKE_MEM_NOACCESS(p, n);
+#endif
+    (void)p, (void)n;
+}
+
 /* [p, p+n) leaves the allocator for good (heap destroyed): plain memory again. */
 static inline void track_release(const void *p, size_t n) {
 #if TRACK_ASAN

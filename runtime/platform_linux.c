@@ -32,7 +32,7 @@ _Static_assert(sizeof(pthread_t) <= sizeof(uintptr_t), "sp_thread.os must hold a
  * that failed inside textdomain, under that lock, left the process hung in it.) `buf` is used
  * only when the libc has no such call. */
 static const char *errno_text(int err, char *buf, size_t n) {
-#if defined(__GLIBC__) && (__GLIBC__ > 2 || __GLIBC_MINOR__ >= 32)
+#if defined(__GLIBC__) && __GLIBC_PREREQ(2, 32)
     const char *text = strerrordesc_np(err);
     if (text) return text;
     snprintf(buf, n, "errno %d", err);
@@ -145,6 +145,49 @@ static size_t size_round(size_t x, size_t a) {
     return r < x ? 0 : r;
 }
 
+/* The explicit huge-page (MAP_HUGETLB) reservations, for sp_vm_decommit: it maps such ranges
+ * afresh with base pages, where other ranges are dropped in place. (A hugetlb range made
+ * PROT_NONE in place could not be committed again in steps smaller than its pages, as the
+ * handle heap commits.) A fixed table: a reservation that finds no free entry is not made of
+ * explicit huge pages. Entries: base 0 is free; base is set before size, and size cleared
+ * before base (a range is looked up only while its owner holds it: after its add, before its
+ * remove). */
+enum { HUGE_MAPS = 16 };
+static struct { uintptr_t base, size; /* atomic */ } huge_maps[HUGE_MAPS];
+
+static bool huge_map_add(void *p, size_t size) {
+    for (int i = 0; i < HUGE_MAPS; i++) {
+        uintptr_t free_base = 0;
+        if (__atomic_compare_exchange_n(&huge_maps[i].base, &free_base, (uintptr_t)p, false,
+                                        __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
+            __atomic_store_n(&huge_maps[i].size, size, __ATOMIC_RELEASE);
+            return true;
+        }
+    }
+    return false;
+}
+
+/* Whether p lies in an explicit huge-page reservation. */
+static bool huge_map_has(const void *p) {
+    for (int i = 0; i < HUGE_MAPS; i++) {
+        uintptr_t base = __atomic_load_n(&huge_maps[i].base, __ATOMIC_ACQUIRE);
+        uintptr_t size = __atomic_load_n(&huge_maps[i].size, __ATOMIC_ACQUIRE);
+        if (base && (uintptr_t)p - base < size) return true;
+    }
+    return false;
+}
+
+/* A release of [p, p + size) ends the reservations that begin inside it. */
+static void huge_map_remove(const void *p, size_t size) {
+    for (int i = 0; i < HUGE_MAPS; i++) {
+        uintptr_t base = __atomic_load_n(&huge_maps[i].base, __ATOMIC_ACQUIRE);
+        if (base && base - (uintptr_t)p < size) {
+            __atomic_store_n(&huge_maps[i].size, 0, __ATOMIC_RELEASE);
+            __atomic_store_n(&huge_maps[i].base, 0, __ATOMIC_RELEASE);
+        }
+    }
+}
+
 void *sp_vm_reserve(size_t size, size_t align, bool huge, sp_page_kind *granted) {
     const size_t page = sp_page_size();
     if (align == 0) align = page;
@@ -169,10 +212,11 @@ void *sp_vm_reserve(size_t size, size_t align, bool huge, sp_page_kind *granted)
         if (hrounded) {
             void *p = region_map(hrounded, align, hsize, PROT_READ | PROT_WRITE,
                                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB);
-            if (p) {
+            if (p && huge_map_add(p, hrounded)) {
                 if (granted) *granted = SP_PAGES_HUGE;
                 return p;
             }
+            if (p) munmap(p, hrounded); /* the table is full: base pages instead */
         }
         /* 2. Base pages, huge-aligned so THP can back whole 2 MiB extents. */
         void *p =
@@ -230,14 +274,14 @@ sp_result sp_vm_decommit(void *p, size_t size) {
      * the pages in front of a hole before failing). MADV_DONTNEED drops the pages (no RSS left
      * behind, unlike MADV_FREE) and mprotect makes the range inaccessible again; both keep the
      * mapping's flags (MAP_NORESERVE, the MADV_HUGEPAGE advice), so the range merges back with
-     * its neighbours. Mapping fresh pages over it instead (MAP_FIXED) dropped the advice and
-     * left one more mapping per decommitted range. Explicit huge pages refuse a DONTNEED not
-     * aligned to their size: those ranges are mapped afresh, as normal pages. */
+     * its neighbours. Mapping fresh pages over it (MAP_FIXED) dropped the advice and left one
+     * more mapping per decommitted range: that is kept for explicit huge pages (see
+     * huge_maps), and for a range whose mprotect failed after its pages were dropped. */
     sp_result m = range_mapped("sp_vm_decommit", p, size);
     if (SP_UNLIKELY(m != SP_OK)) return m;
-    if (SP_LIKELY(madvise(p, size, MADV_DONTNEED) == 0)) {
-        if (SP_UNLIKELY(mprotect(p, size, PROT_NONE) != 0))
-            return os_fail("sp_vm_decommit", p, "mprotect(NONE)", size, errno);
+    if (!huge_map_has(p) && madvise(p, size, MADV_DONTNEED) == 0 &&
+        mprotect(p, size, PROT_NONE) == 0) {
+        track_fresh(p, size);
         return SP_OK;
     }
     void *r =
@@ -274,6 +318,7 @@ void sp_vm_release(void *p, size_t size) {
         return;
     }
     size_t rounded = size_round(size, page);
+    huge_map_remove(p, rounded);
     if (munmap(p, rounded) == 0) return;
     int err = errno;
     /* A MAP_HUGETLB reservation was rounded to the huge page size, and munmap of hugetlb

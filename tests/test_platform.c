@@ -243,6 +243,67 @@ static void test_decommit_keeps_mapping(void) {
     sp_vm_release(p, size);
 }
 
+static void touch(void *p) {
+    *(volatile unsigned char *)p = 1;
+}
+
+/* Whether a touch of p faults, in a child: it dies by the signal, or under ASan reports the
+ * SEGV and exits non-zero. */
+static bool faults(void *p) {
+    static char text[8192];
+    int st = ts_child(touch, p, text, sizeof text);
+    return st != -1 && (WIFSIGNALED(st) ||
+                        (WIFEXITED(st) && WEXITSTATUS(st) != 0 && strstr(text, "SEGV") != NULL));
+}
+
+/* A decommitted range is inaccessible (a touch faults) and reads zero once committed again,
+ * also where its pages could not be dropped in place (a locked page: MADV_DONTNEED refuses it,
+ * and the range is mapped afresh). */
+static void test_decommit_inaccessible(void) {
+    const size_t ps = sp_page_size(), size = 8 * ps;
+    unsigned char *p = sp_vm_reserve(size, 0, false, NULL);
+    if (!p || sp_vm_commit(p, size) != SP_OK) {
+        ok(0, "reserve+commit for the access check");
+        ok(0, "locked page");
+        return;
+    }
+    memset(p, 0xA5, size);
+    sp_vm_decommit(p + 2 * ps, 2 * ps);
+    ok(faults(p + 3 * ps) && bytes_all(p + 4 * ps, 4 * ps, 0xA5),
+       "a decommitted page faults when touched; its neighbours keep their contents");
+    if (mlock(p + 5 * ps, ps) != 0) {
+        skip("mlock refused here (RLIMIT_MEMLOCK)");
+    } else {
+        sp_result r = sp_vm_decommit(p + 4 * ps, 4 * ps);
+        bool zero = sp_vm_commit(p + 4 * ps, 4 * ps) == SP_OK && bytes_all(p + 4 * ps, 4 * ps, 0);
+        ok(r == SP_OK && zero && faults(p + 2 * ps),
+           "a range with a locked page decommits too (mapped afresh), reads zero when committed "
+           "again (%s)",
+           sp_result_name(r));
+    }
+    sp_vm_release(p, size);
+}
+
+/* Explicit huge pages are mapped afresh by decommit, with base pages: a later commit may take
+ * a part smaller than a huge page (the handle heap commits 16 KiB at a time). Dropped in place,
+ * a hugetlb range stayed PROT_NONE hugetlb, and such a commit failed (EINVAL). */
+static void test_decommit_hugetlb(void) {
+    const size_t hs = sp_huge_page_size();
+    sp_page_kind kind = SP_PAGES_NORMAL;
+    unsigned char *p = hs ? sp_vm_reserve(2 * hs, 0, true, &kind) : NULL;
+    if (!p || kind != SP_PAGES_HUGE) {
+        skip("no explicit huge pages here (the hugetlb pool is empty)");
+    } else {
+        memset(p, 0x5A, 2 * hs);
+        bool dec = sp_vm_decommit(p + hs, hs) == SP_OK;
+        bool com = sp_vm_commit(p + hs, 16 << 10) == SP_OK;
+        ok(dec && com && bytes_all(p + hs, 16 << 10, 0) && bytes_all(p, hs, 0x5A),
+           "a huge page decommitted, then 16 KiB of it committed: it works, reads zero, the "
+           "other huge page keeps its contents");
+    }
+    if (p) sp_vm_release(p, 2 * hs);
+}
+
 /* Checks a misuse or OS failure: the result and what the capturing logger saw. */
 static void check_logged(int count_before, sp_result want, const char *call, const void *addr) {
     ok(ts_logged.count == count_before + 1 && ts_logged.last_id == want &&
@@ -413,7 +474,7 @@ static void test_futex(void) {
 }
 
 int main(void) {
-    plan(55);
+    plan(58);
     test_page_size();              /* 1 */
     test_reserve_commit();         /* 3 */
     test_alignment();              /* 2 */
@@ -423,6 +484,8 @@ int main(void) {
     test_guard();                  /* 3 */
     test_huge();                   /* 4 */
     test_decommit_keeps_mapping(); /* 2 */
+    test_decommit_inaccessible();  /* 2 */
+    test_decommit_hugetlb();       /* 1 */
     test_bad_args();               /* 14 */
     test_cpu_count();              /* 2 */
     test_clocks();                 /* 3 */
