@@ -90,7 +90,8 @@ typedef struct sp_tcache_desc {
                                aligned to SP_TCACHE_SPAN; its end below 2^48), committed as the
                                heaps grow; NULL: reserve our own */
     size_t region_size;     /* bytes of region (0: 64 GiB when we reserve, halved down to 1 GiB
-                               while the OS refuses; at least 64 MiB) */
+                               to half the room an RLIMIT_AS limit leaves, and further while
+                               the OS refuses; at least 64 MiB) */
     size_t max_class;       /* largest size served by classes (0: 32 KiB; at most 64 KiB;
                                rounded up to a class size) */
     uint32_t keep_empty;    /* empty spans a cache keeps for reuse (0: 2) */

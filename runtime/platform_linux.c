@@ -6,6 +6,7 @@
 #endif
 
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <linux/futex.h>
 #include <pthread.h>
@@ -361,12 +362,18 @@ uint64_t sp_memory_size(void) {
 size_t sp_address_room(void) {
     struct rlimit lim;
     if (getrlimit(RLIMIT_AS, &lim) != 0 || lim.rlim_cur == RLIM_INFINITY) return SIZE_MAX;
-    FILE *f = fopen("/proc/self/statm", "r");
-    unsigned long pages = 0;
-    bool read = f && fscanf(f, "%lu", &pages) == 1;
-    if (f) fclose(f);
-    size_t used = (size_t)pages * sp_page_size();
-    return !read ? SIZE_MAX : lim.rlim_cur > used ? (size_t)(lim.rlim_cur - used) : 0;
+    /* System calls only, no stdio: the thread caches ask from inside malloc's first call. */
+    char text[64];
+    int fd = open("/proc/self/statm", O_RDONLY | O_CLOEXEC);
+    ssize_t n = fd >= 0 ? read(fd, text, sizeof text - 1) : -1;
+    if (fd >= 0) close(fd);
+    size_t pages = 0;
+    ssize_t i = 0;
+    for (; i < n && text[i] >= '0' && text[i] <= '9'; i++)
+        pages = pages * 10 + (size_t)(text[i] - '0');
+    if (i == 0) return SIZE_MAX; /* unreadable */
+    size_t used = pages * sp_page_size();
+    return lim.rlim_cur > used ? (size_t)(lim.rlim_cur - used) : 0;
 }
 
 uint64_t sp_time_ns(void) {

@@ -277,9 +277,10 @@ static sp_result desc_fill(const sp_desc *in, sp_desc *d) {
     if (d->heap_size && d->heap_size < SP_TCACHE_MIN_REGION)
         return sp_misuse(SP_ERR_INVALID_ARG, "sp_init", in,
                          "heap_size %zu is below 64 MiB (the thread caches' least)", d->heap_size);
-    if (d->handle_size >= SP_HANDLE_REGION_LIMIT)
+    if (d->handle_size > SP_HANDLE_REGION_LIMIT - REGION_ALIGN)
         return sp_misuse(SP_ERR_INVALID_ARG, "sp_init", in,
-                         "handle_size %zu is 64 GiB or more (the handle heap's limit)",
+                         "handle_size %zu is 64 GiB or more once rounded up to 2 MiB (the "
+                         "handle heap's limit)",
                          d->handle_size);
     /* Sizes left 0 follow the machine's memory, or under an address-space limit (RLIMIT_AS)
      * half the room the limit leaves if that is less: the scheduler's fiber stacks and the

@@ -90,7 +90,8 @@ uint64_t sp_memory_size(void);
 
 /* Bytes of address space the process may still map under its RLIMIT_AS soft limit (what the
  * limit leaves after what the process maps now, /proc/self/statm); SIZE_MAX when no limit is
- * set or the mapped size cannot be read. */
+ * set or the mapped size cannot be read. System calls only: it allocates nothing (safe inside
+ * malloc). */
 size_t sp_address_room(void);
 
 /* Monotonic clock in nanoseconds (CLOCK_MONOTONIC). Cost: one vDSO call, no system call. */

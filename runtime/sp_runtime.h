@@ -110,7 +110,9 @@ extern "C" {
 /* Zero means the default for every field; the defaults are scaled to the machine: "physical
  * memory" below means the smaller of it and half the address space an RLIMIT_AS limit leaves
  * (under `ulimit -v 4194304`, sp_init(NULL) reserves about 1.4 GiB instead of 15.3 on a 24 GiB
- * machine). */
+ * machine). Threads take address space beyond the reservation: each worker its stack (8 MiB
+ * by default) and, once it calls malloc, glibc's arena for it (64 MiB); under a tight limit
+ * on a machine with many cores, set jobs.workers. */
 typedef struct sp_desc {
     uint32_t canary_begin;  /* must be 0: a desc that was not zero-initialised is refused */
     bool huge_pages;        /* ask for huge pages for the reservation (granted: sp_status) */
@@ -125,7 +127,8 @@ typedef struct sp_desc {
     size_t frame_chunk;     /* per-thread chunk of a buffer (0: the arena's default) */
     sp_frame_overflow frame_overflow; /* a full buffer: NULL (default) or the central heap */
     size_t handle_size;         /* handle heap region (0: physical memory / 8, 64 MiB .. 4 GiB;
-                                   64 GiB or more is refused: SP_ERR_INVALID_ARG) */
+                                   sizes are rounded up to 2 MiB: above 64 GiB - 2 MiB is
+                                   refused, SP_ERR_INVALID_ARG) */
     uint32_t max_handles;       /* 0: the handle heap's default */
     size_t persistent_size;     /* persistent region (0: 64 MiB) */
     uint64_t between_budget_ns; /* time sp_frame_end may spend on between-frames work
@@ -200,7 +203,7 @@ typedef struct sp_status {
 /* Start the runtime; the calling thread becomes its main thread (and the scheduler's worker
  * 0). desc may be NULL (all defaults). Cost: a reservation, thread starts, the scheduler's
  * fiber pool. Returns SP_OK; SP_ERR_INVALID_ARG for a desc that is misuse (a canary not zero,
- * frame_buffers 1 or above 4, heap_size below 64 MiB, handle_size 64 GiB or more; and the
+ * frame_buffers 1 or above 4, heap_size below 64 MiB, handle_size above 64 GiB - 2 MiB; and the
  * subsystems' own desc checks, e.g. a jobs desc sp_jobs_create refuses) and SP_ERR_OVERFLOW (a
  * region above 64 TiB: heap_size, frame_size x frame_buffers, handle_size or persistent_size):
  * reported as misuse, so debug builds abort (sp_log.h; sp_misuse_set_fatal(false) makes them

@@ -1198,22 +1198,30 @@ static void test_desc_sizes(void) {
            big[i].size / tib, big[i].buffers ? big[i].buffers : 2, sp_result_name(r));
         if (r == SP_OK) sp_shutdown();
     }
-    /* The handle heap's region limit, checked before anything starts. */
-    d = small_desc(0);
-    d.handle_size = SP_HANDLE_REGION_LIMIT;
-    ts_log_reset();
-    r = sp_init(&d);
-    ok(r == SP_ERR_INVALID_ARG && strstr(ts_logged.last_message, "handle_size") != NULL &&
-           sp_init_failure() == NULL,
-       "handle_size 64 GiB: SP_ERR_INVALID_ARG naming handle_size (%s), nothing started",
-       sp_result_name(r));
-    if (r == SP_OK) sp_shutdown();
+    /* The handle heap's region limit, checked before anything starts, on the size rounded up
+     * to 2 MiB as the region will be. */
+    static const size_t too_big[] = {SP_HANDLE_REGION_LIMIT, SP_HANDLE_REGION_LIMIT - 4096};
+    for (size_t i = 0; i < SP_ARRAY_LEN(too_big); i++) {
+        d = small_desc(0);
+        d.handle_size = too_big[i];
+        ts_log_reset();
+        r = sp_init(&d);
+        ok(r == SP_ERR_INVALID_ARG && strstr(ts_logged.last_message, "handle_size") != NULL &&
+               sp_init_failure() == NULL,
+           "handle_size 64 GiB - %zu: SP_ERR_INVALID_ARG naming handle_size (%s), nothing "
+           "started",
+           SP_HANDLE_REGION_LIMIT - too_big[i], sp_result_name(r));
+        if (r == SP_OK) sp_shutdown();
+    }
     ts_log_release();
 }
 
-/* sp_init(NULL) under an address-space limit: the sizes left 0 follow the room the limit
- * leaves (on a 24 GiB machine the defaults reserved 15.6 GiB, and init failed under
- * `ulimit -v 4G`). In a child, with RLIMIT_AS at what it maps now plus `room` MiB. */
+/* A desc of zeroes but one worker, under an address-space limit: the sizes left 0 follow the
+ * room the limit leaves (on a 24 GiB machine the defaults reserved 15.3 GiB, and init failed
+ * under `ulimit -v 4G`). One worker, not one per CPU: each thread takes address space of its
+ * own (its stack, glibc's malloc arena), which on a machine with many CPUs would use up the
+ * room whatever the regions took. In a child, with RLIMIT_AS at what it maps now plus `room`
+ * MiB. */
 static void limited_init_child(void *arg) {
     const size_t room = *(const size_t *)arg * MiB;
     FILE *f = fopen("/proc/self/statm", "r");
@@ -1223,7 +1231,9 @@ static void limited_init_child(void *arg) {
     rlim_t at = (rlim_t)(pages * sp_page_size() + room);
     struct rlimit lim = {at, at};
     if (!read || setrlimit(RLIMIT_AS, &lim) != 0) _exit(3);
-    if (sp_init(NULL) != SP_OK) _exit(4);
+    sp_desc d = {0};
+    d.jobs.workers = 1;
+    if (sp_init(&d) != SP_OK) _exit(4);
     sp_status st;
     sp_status_get(&st);
     enum { N = 16 };
@@ -1238,9 +1248,9 @@ static void limited_init_child(void *arg) {
     void *big = sp_tcache_alloc(64 * MiB);
     ran &= big != NULL;
     sp_tcache_free(big);
-    if (sp_shutdown() != SP_OK || !ran) _exit(5);
-    void *p = malloc(256 * MiB); /* the program keeps room of its own */
+    void *p = malloc(256 * MiB); /* the program keeps room of its own while the runtime runs */
     free(p);
+    if (sp_shutdown() != SP_OK || !ran) _exit(5);
     _exit(st.reserved > room / 2 ? 6 : !p ? 7 : 0);
 }
 
@@ -1255,7 +1265,7 @@ static void test_desc_address_limit(void) {
         int status = ts_child(limited_init_child, (void *)&rooms[i], text, sizeof text);
         int code = status != -1 && WIFEXITED(status) ? WEXITSTATUS(status) : -1;
         ok(code == 0,
-           "sp_init(NULL) under an address-space limit of %zu MiB more than mapped: it starts, "
+           "default sizes under an address-space limit of %zu MiB more than mapped: init starts, "
            "reserving at most half of that, frames run, 256 MiB are left for the program "
            "(exit %d; 4: init failed, 5: a frame or shutdown failed, 6: reserved more, 7: no "
            "room left)",
