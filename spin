@@ -54,12 +54,12 @@ usage() {
 usage: ./spin COMMAND [ARGS]
 
   demo                 release build, then run build-release/demos/spindle-demo [ARGS]
-  test                 what CI runs: ASan+UBSan (unit, death, concurrency), TSan
-                       (concurrency), release (unit, soak, benchmark smoke), Valgrind,
-                       the aarch64 cross build (compiled, not run), libFuzzer (fuzz); ends
-                       with the line "N passed, N failed"; exit status non-zero if
-                       anything failed; meson commands stop after SPIN_BUDGET seconds
-                       (default 1380) in all
+  test                 what CI runs: ASan+UBSan (unit, death, concurrency), UBSan alone
+                       (unit), TSan (concurrency), release (unit, soak, benchmark smoke),
+                       Valgrind, the aarch64 cross build (compiled, not run), libFuzzer
+                       (fuzz); ends with the line "N passed, N failed"; exit status non-zero
+                       if anything failed; configure, build and test commands stop after
+                       SPIN_BUDGET seconds (default 1380) in all
   bench [AREA...] [FLAGS]
                        release build, then bench/run build-release AREA [FLAGS] for each
                        AREA (default: every bench_AREA executable built); FLAGS such as
@@ -221,16 +221,15 @@ record() {
 # limit) and stops one still running then, so that a hang still ends with the closing line.
 DEADLINE=
 
-# timed LABEL CMD...: run CMD, print and keep its wall time, return its status (124: stopped
-# or not started for the time budget).
 # bounded CMD...: run an external command, stopped at the end of the time budget (exit status
-# 124, said once) when DEADLINE is set.
+# 124, said once, naming STEP, the running step's label) when DEADLINE is set.
+STEP=
 bounded() {
     [[ -z $DEADLINE ]] && { "$@" </dev/null; return; }
     local left rc
     left=$(awk -v d="$DEADLINE" -v n="$(now)" 'BEGIN { printf "%d", d - n }')
     if ((left <= 0)); then
-        say "spin: the time budget (SPIN_BUDGET) is spent: '$1' not run"
+        say "spin: the time budget (SPIN_BUDGET) is spent: '${STEP:-$1}' not run"
         return 124
     fi
     # On a terminal, --foreground keeps the command in the terminal's process group, so that
@@ -240,16 +239,18 @@ bounded() {
     [[ -t 0 ]] && fg=(--foreground)
     timeout "${fg[@]}" --kill-after=30 "$left" "$@" </dev/null
     rc=$?
-    ((rc == 124)) && say "spin: '$1' stopped at the end of the time budget (SPIN_BUDGET)"
+    ((rc == 124)) && say "spin: '${STEP:-$1}' stopped at the end of the time budget (SPIN_BUDGET)"
     return "$rc"
 }
 
 # timed LABEL CMD...: run CMD (an external command goes through `bounded`; a function bounds
-# its own commands), print and keep its time.
+# its own commands), print and keep its wall time, return its status (124: stopped or not
+# started for the time budget).
 timed() {
     local label=$1 t0 rc
     shift
     t0=$(now)
+    STEP=$label
     if [[ $(type -t "$1") == file ]]; then
         bounded "$@"
     else
