@@ -9,8 +9,11 @@
  * given and turns the rest into the first pool; sp_tlsf_add_pool adds more (up to
  * SP_TLSF_MAX_POOLS). sp_tlsf_destroy forgets the heap; the memory stays the caller's. While the
  * caller leaves that memory as destroy left it, calls through the dead handle are refused:
- * malloc NULL, status zeros, check and walk SP_ERR_INVALID_ARG (each reported as misuse), free
- * and the other pointer calls SP_ERR_FOREIGN_POINTER; once the memory is reused, undefined.
+ * malloc, aligned_alloc and realloc(NULL, n) NULL, status zeros, add_pool, check and walk
+ * SP_ERR_INVALID_ARG (each reported as misuse), free and the other pointer calls
+ * SP_ERR_FOREIGN_POINTER; once the memory is reused, undefined. A NULL heap (and a NULL
+ * status out or walker) is misuse too, answered the same way (check_ptr: SP_ERR_INVALID_ARG);
+ * sp_tlsf_destroy(NULL) returns 0 and sp_tlsf_owns(NULL, p) false.
  *
  * Concurrency:
  *   heap created with desc.locked = false:  one thread at a time (caller provides exclusion).

@@ -431,7 +431,8 @@ TRACK_INTERNAL static pool_verdict pool_add(sp_tlsf *t, void *memory, size_t siz
     if (!memory) return (pool_verdict){SP_ERR_INVALID_ARG, "NULL pool memory"};
     uintptr_t lo = sp_align_up((uintptr_t)memory, ALIGN);
     uintptr_t end = (uintptr_t)memory + size;
-    if (end < (uintptr_t)memory) return (pool_verdict){SP_ERR_OVERFLOW, "pool wraps around"};
+    if (end < (uintptr_t)memory || lo < (uintptr_t)memory)
+        return (pool_verdict){SP_ERR_OVERFLOW, "pool wraps around"};
     uintptr_t hi = sp_align_down(end, ALIGN);
     if (hi <= lo || hi - lo < 2 * HEADER + MIN_PAYLOAD)
         return (pool_verdict){SP_ERR_TOO_SMALL, "pool too small for one block"};
@@ -512,8 +513,18 @@ size_t sp_tlsf_destroy(sp_tlsf *t) {
     return live;
 }
 
+/* A NULL argument `what` of `call`: misuse; true. */
+static SP_COLD bool null_arg(const char *call, const char *what) {
+    sp_misuse(SP_ERR_INVALID_ARG, call, NULL, "NULL %s", what);
+    return true;
+}
+#define NULL_ARG(x, call, what) (SP_UNLIKELY(!(x)) && null_arg(call, what))
+
+static bool heap_lock_live(sp_tlsf *t, const char *call);
+
 sp_result sp_tlsf_add_pool(sp_tlsf *t, void *memory, size_t size) {
-    heap_lock(t);
+    if (NULL_ARG(t, "sp_tlsf_add_pool", "heap") || !heap_lock_live(t, "sp_tlsf_add_pool"))
+        return SP_ERR_INVALID_ARG;
     pool_verdict v = pool_add(t, memory, size);
     heap_unlock(t);
     return v.id == SP_OK ? SP_OK : pool_report(v, "sp_tlsf_add_pool", memory, size);
@@ -580,14 +591,28 @@ static bool heap_lock_live(sp_tlsf *t, const char *call) {
     return false;
 }
 
+/* An allocation of `call` failed: a destroyed heap is reported (checked on this path only). */
+static SP_COLD void alloc_failed(sp_tlsf *t, const char *call) {
+    if (heap_lock_live(t, call)) heap_unlock(t);
+}
+
 TRACK_INTERNAL void *sp_tlsf_malloc(sp_tlsf *t, size_t size) {
+    if (NULL_ARG(t, "sp_tlsf_malloc", "heap")) return NULL;
     void *p = heap_malloc(t, size);
-    /* The failure path only: a destroyed heap is reported. */
-    if (SP_UNLIKELY(!p) && heap_lock_live(t, "sp_tlsf_malloc")) heap_unlock(t);
+    if (SP_UNLIKELY(!p)) alloc_failed(t, "sp_tlsf_malloc");
     return p;
 }
 
+static void *aligned_alloc_any(sp_tlsf *t, size_t align, size_t size);
+
 TRACK_INTERNAL void *sp_tlsf_aligned_alloc(sp_tlsf *t, size_t align, size_t size) {
+    if (NULL_ARG(t, "sp_tlsf_aligned_alloc", "heap")) return NULL;
+    void *p = aligned_alloc_any(t, align, size);
+    if (SP_UNLIKELY(!p)) alloc_failed(t, "sp_tlsf_aligned_alloc");
+    return p;
+}
+
+TRACK_INTERNAL static void *aligned_alloc_any(sp_tlsf *t, size_t align, size_t size) {
     if (!sp_is_pow2(align) || align > MAX_ALIGN) {
         sp_misuse(SP_ERR_BAD_ALIGNMENT, "sp_tlsf_aligned_alloc", (void *)align,
                   "alignment %zu is not a power of two up to %zu", align, MAX_ALIGN);
@@ -625,7 +650,7 @@ TRACK_INTERNAL void *sp_tlsf_aligned_alloc(sp_tlsf *t, size_t align, size_t size
 }
 
 TRACK_INTERNAL void sp_tlsf_free(sp_tlsf *t, void *p) {
-    if (!p) return;
+    if (!p || NULL_ARG(t, "sp_tlsf_free", "heap")) return;
     heap_lock(t);
     verdict v = block_check_live(t, p);
     if (SP_LIKELY(v.b)) block_release(t, v.b);
@@ -653,7 +678,12 @@ TRACK_INTERNAL static bool block_resize_in_place(sp_tlsf *t, block *b, size_t wa
 }
 
 TRACK_INTERNAL void *sp_tlsf_realloc(sp_tlsf *t, void *p, size_t size) {
-    if (!p) return heap_malloc(t, size);
+    if (NULL_ARG(t, "sp_tlsf_realloc", "heap")) return NULL;
+    if (!p) {
+        void *q = heap_malloc(t, size);
+        if (SP_UNLIKELY(!q)) alloc_failed(t, "sp_tlsf_realloc");
+        return q;
+    }
     heap_lock(t);
     verdict v = block_check_live(t, p);
     size_t old = v.b ? block_size(v.b) : 0;
@@ -678,7 +708,7 @@ TRACK_INTERNAL void *sp_tlsf_realloc(sp_tlsf *t, void *p, size_t size) {
 }
 
 TRACK_INTERNAL size_t sp_tlsf_usable_size(sp_tlsf *t, const void *p) {
-    if (!p) return 0;
+    if (!p || NULL_ARG(t, "sp_tlsf_usable_size", "heap")) return 0;
     heap_lock(t);
     verdict v = block_check_live(t, p);
     size_t size = v.b ? block_size(v.b) : 0;
@@ -688,6 +718,10 @@ TRACK_INTERNAL size_t sp_tlsf_usable_size(sp_tlsf *t, const void *p) {
 }
 
 TRACK_INTERNAL sp_result sp_tlsf_check_ptr(sp_tlsf *t, const void *p, const char **why) {
+    if (NULL_ARG(t, "sp_tlsf_check_ptr", "heap")) {
+        if (why) *why = "NULL heap";
+        return SP_ERR_INVALID_ARG;
+    }
     heap_lock(t);
     verdict v = block_check_live(t, p);
     heap_unlock(t);
@@ -710,7 +744,9 @@ TRACK_INTERNAL static size_t heap_bytes_free(const sp_tlsf *t) {
 }
 
 TRACK_INTERNAL void sp_tlsf_status_get(sp_tlsf *t, sp_tlsf_status *out) {
-    if (SP_UNLIKELY(!heap_lock_live(t, "sp_tlsf_status_get"))) {
+    if (NULL_ARG(out, "sp_tlsf_status_get", "out")) return;
+    if (NULL_ARG(t, "sp_tlsf_status_get", "heap") ||
+        SP_UNLIKELY(!heap_lock_live(t, "sp_tlsf_status_get"))) {
         memset(out, 0, sizeof *out);
         return;
     }
@@ -735,6 +771,7 @@ TRACK_INTERNAL void sp_tlsf_status_get(sp_tlsf *t, sp_tlsf_status *out) {
 }
 
 TRACK_INTERNAL void sp_tlsf_walk(sp_tlsf *t, sp_tlsf_walker fn, void *user) {
+    if (NULL_ARG(t, "sp_tlsf_walk", "heap") || NULL_ARG(fn, "sp_tlsf_walk", "walker")) return;
     if (SP_UNLIKELY(!heap_lock_live(t, "sp_tlsf_walk"))) return;
     for (size_t i = 0; i < t->pool_count; i++) {
         block *end = (block *)(t->pools[i].hi - HEADER);
@@ -763,7 +800,8 @@ TRACK_INTERNAL sp_result sp_tlsf_check(sp_tlsf *t) {
     char why[160];
     const void *bad = NULL;
     size_t used = 0, free_bytes = 0, live = 0, free_count = 0;
-    if (SP_UNLIKELY(!heap_lock_live(t, "sp_tlsf_check"))) return SP_ERR_INVALID_ARG;
+    if (NULL_ARG(t, "sp_tlsf_check", "heap") || SP_UNLIKELY(!heap_lock_live(t, "sp_tlsf_check")))
+        return SP_ERR_INVALID_ARG;
     for (size_t i = 0; i < t->pool_count; i++) {
         block *end = (block *)(t->pools[i].hi - HEADER), *prev = NULL, *b;
         bool prev_free = false;

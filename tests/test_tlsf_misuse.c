@@ -252,6 +252,52 @@ static void test_destroyed(void) {
        "a destroyed heap: malloc NULL, status zeros, check SP_ERR_INVALID_ARG, walk nothing, free "
        "refused; each reported (%d reports)",
        ts_logged.count);
+    /* add_pool used to bring the zeroed control back to life, with counters that check then
+     * called corrupt; aligned_alloc and realloc(NULL, n) failed without a report. */
+    static char more[16 << 10] __attribute__((aligned(16)));
+    ts_log_reset();
+    sp_result added = sp_tlsf_add_pool(t, more, sizeof more);
+    int after_add = ts_logged.count;
+    void *a = sp_tlsf_aligned_alloc(t, 64, 100), *r = sp_tlsf_realloc(t, NULL, 100);
+    ok(added == SP_ERR_INVALID_ARG && after_add == 1 && !a && !r && ts_logged.count == 3 &&
+           sp_tlsf_check(t) == SP_ERR_INVALID_ARG,
+       "... add_pool refused (%s), aligned_alloc and realloc(NULL, n) NULL, each reported (%d); "
+       "the heap stays dead",
+       sp_result_name(added), ts_logged.count);
+    ts_log_release();
+}
+
+/* A NULL heap, status out or walker: misuse, reported under the call, the failure value. */
+static void test_null_args(void) {
+    ts_log_capture();
+    const char *why = NULL;
+    sp_tlsf_status st;
+    memset(&st, 0xff, sizeof st);
+    static char pool[16 << 10] __attribute__((aligned(16)));
+    int n = 0;
+    bool answers =
+        sp_tlsf_malloc(NULL, 16) == NULL && sp_tlsf_aligned_alloc(NULL, 64, 16) == NULL &&
+        sp_tlsf_realloc(NULL, NULL, 16) == NULL && sp_tlsf_usable_size(NULL, pool) == 0 &&
+        sp_tlsf_check_ptr(NULL, pool, &why) == SP_ERR_INVALID_ARG &&
+        sp_tlsf_check(NULL) == SP_ERR_INVALID_ARG &&
+        sp_tlsf_add_pool(NULL, pool, sizeof pool) == SP_ERR_INVALID_ARG;
+    sp_tlsf_free(NULL, pool);
+    sp_tlsf_status_get(NULL, &st);
+    sp_tlsf_walk(NULL, walk_count, &n);
+    ok(answers && st.bytes_used == 0 && st.bytes_free == 0 && n == 0 && ts_logged.count == 10 &&
+           ts_logged.last_id == SP_ERR_INVALID_ARG && !strcmp(ts_logged.last_call, "sp_tlsf_walk"),
+       "a NULL heap: every call answers its failure value and is reported (%d of 10)",
+       ts_logged.count);
+    ts_log_reset();
+    sp_tlsf_status_get(heap, NULL);
+    sp_tlsf_walk(heap, NULL, NULL);
+    ok(ts_logged.count == 2 && sp_tlsf_check(heap) == SP_OK,
+       "a NULL status out or walker: reported (%d), the heap untouched", ts_logged.count);
+    /* A pool whose start rounds up past the end of the address space. */
+    ts_log_reset();
+    sp_result wrap = sp_tlsf_add_pool(heap, (void *)(UINTPTR_MAX - 5), 0);
+    ok(wrap == SP_ERR_OVERFLOW && ts_logged.count == 1,
+       "a pool at UINTPTR_MAX - 5: SP_ERR_OVERFLOW (%s), reported", sp_result_name(wrap));
     ts_log_release();
 }
 
@@ -260,6 +306,7 @@ int main(void) {
     test_reported();
     test_fatal();
     test_destroyed();
+    test_null_args();
     sp_tlsf_free(heap, live);
     sp_tlsf_free(heap, big);
     return done();
