@@ -245,7 +245,8 @@ void sp_tcache_free_sized(void *p, size_t size);
  * orphaned spans and pointers that are not live small blocks. For tests and diagnostics. */
 uint64_t sp_tcache_owner_thread(const void *p);
 
-/* Figures of the calling thread's cache (TLSF members zero). Cost: O(spans held). */
+/* Figures of the calling thread's cache (TLSF members zero). Cost: O(spans held). A NULL out
+ * (here and in sp_tcache_status_get) is misuse: SP_ERR_INVALID_ARG, reported. */
 void sp_tcache_status_local(sp_tcache_status *out);
 
 /* Figures of every cache, the orphans and both central heaps. Cost: O(spans); takes the

@@ -982,11 +982,13 @@ static sp_result init_locked(const sp_tcache_desc *desc, bool lazy) {
         return sp_misuse(SP_ERR_INVALID_ARG, "sp_tcache_init", region,
                          "region %p is not aligned to %zu bytes", region, SP_TCACHE_SPAN);
     }
-    if (((uintptr_t)region + d.region_size) >> SP_TCACHE_LIST_BITS) {
+    if ((uintptr_t)region + d.region_size < (uintptr_t)region ||
+        ((uintptr_t)region + d.region_size) >> SP_TCACHE_LIST_BITS) {
         if (!d.region) sp_vm_release(region, d.region_size);
         return sp_misuse(SP_ERR_INVALID_ARG, "sp_tcache_init", region,
-                         "region %p ends above 2^%d (list words count in the bits above)", region,
-                         (int)SP_TCACHE_LIST_BITS);
+                         "region %p + %zu wraps or ends above 2^%d (list words count in the "
+                         "bits above)",
+                         region, d.region_size, (int)SP_TCACHE_LIST_BITS);
     }
     tc.region = region;
     tc.region_size = d.region_size;

@@ -46,7 +46,12 @@ static void cache_count(cache *c, sp_tcache_status *st) {
 }
 
 /* Zero the figures; false if the caches are not initialised (nothing else to read). */
-static bool status_begin(sp_tcache_status *st) {
+/* Zero st; false (nothing to count) before init. A NULL st is misuse under `call`. */
+static bool status_begin(sp_tcache_status *st, const char *call) {
+    if (SP_UNLIKELY(!st)) {
+        sp_misuse(SP_ERR_INVALID_ARG, call, NULL, "NULL out");
+        return false;
+    }
     memset(st, 0, sizeof *st);
     if (!atomic_load_explicit(&tc.ready, memory_order_acquire)) return false;
     st->class_count = tc.class_count;
@@ -56,13 +61,13 @@ static bool status_begin(sp_tcache_status *st) {
 
 void sp_tcache_status_local(sp_tcache_status *st) {
     cache *c = (cache *)sp_tcache_tls;
-    if (!status_begin(st) || !c->registered) return;
+    if (!status_begin(st, "sp_tcache_status_local") || !c->registered) return;
     cache_count(c, st);
     st->caches = 1;
 }
 
 void sp_tcache_status_get(sp_tcache_status *st) {
-    if (!status_begin(st)) return;
+    if (!status_begin(st, "sp_tcache_status_get")) return;
     sp_mutex_lock(&tc.reg_lock);
     for (cache *c = tc.registry; c; c = c->reg_next) cache_count(c, st);
     st->caches = tc.cache_count;

@@ -249,13 +249,65 @@ static void test_fatal(void) {
     }
 }
 
+/* With the caches down: each desc sp_tcache_init documents as misuse is refused, reported
+ * under sp_tcache_init, and leaves them down (a region that wraps round the address space
+ * passed the check of its end before, and init took it); a NULL status out is reported. */
+static void test_init_refusals(void) {
+    const size_t mib = (size_t)1 << 20;
+    char *r = sp_vm_reserve(128 * mib, SP_TCACHE_SPAN, false, NULL);
+    if (!r) {
+        ok(0, "reserve 128 MiB for the init refusals");
+        ok(0, "already initialised");
+        ok(0, "status out");
+        return;
+    }
+    struct {
+        sp_tcache_desc d;
+        const char *what;
+    } bad[] = {
+        {{.region = r, .region_size = 32 * mib}, "a region below 64 MiB"},
+        {{.region = r + 4096, .region_size = 64 * mib}, "a region not aligned to SP_TCACHE_SPAN"},
+        {{.region = r, .region_size = SIZE_MAX}, "a region that wraps round the address space"},
+        {{.max_class = (size_t)128 << 10}, "max_class above 64 KiB"},
+    };
+    ts_log_capture();
+    bool all = true;
+    for (size_t i = 0; i < SP_ARRAY_LEN(bad); i++) {
+        ts_log_reset();
+        sp_result res = sp_tcache_init(&bad[i].d);
+        bool refused = res == SP_ERR_INVALID_ARG && ts_logged.count == 1 &&
+                       !strcmp(ts_logged.last_call, "sp_tcache_init");
+        if (!refused)
+            diag("  %s: %s, %d reports", bad[i].what, sp_result_name(res), ts_logged.count);
+        all &= refused;
+    }
+    ok(all, "init with a region below 64 MiB, unaligned, wrapping, or max_class above 64 KiB: "
+            "SP_ERR_INVALID_ARG, reported under sp_tcache_init");
+    sp_tcache_desc good = {.region = r, .region_size = 64 * mib};
+    ts_log_reset();
+    sp_result first = sp_tcache_init(&good), second = sp_tcache_init(&good);
+    ok(first == SP_OK && second == SP_ERR_INVALID_ARG && ts_logged.count == 1,
+       "then a good init: SP_OK (the refusals left the caches down); a second one "
+       "SP_ERR_INVALID_ARG, reported");
+    ts_log_reset();
+    sp_tcache_status_get(NULL);
+    sp_tcache_status_local(NULL);
+    ok(ts_logged.count == 2 && ts_logged.last_id == SP_ERR_INVALID_ARG,
+       "status_get(NULL) and status_local(NULL): reported (%d)", ts_logged.count);
+    ts_log_release();
+    sp_tcache_thread_detach();
+    sp_tcache_shutdown();
+    sp_vm_release(r, 128 * mib);
+}
+
 int main(void) {
-    plan(50);
+    plan(53);
     test_reported();
     test_large_unlocked();
     test_fatal();
     sp_tcache_free(live);
     sp_tcache_thread_detach();
     is_int(sp_tcache_shutdown(), 0, "nothing leaked");
+    test_init_refusals();
     return done();
 }
