@@ -483,7 +483,18 @@ static void status_fill(const sp_frame_arena *a, uint32_t i, size_t chunks,
     };
 }
 
+/* A NULL arena given to `call`: misuse; true. */
+static SP_COLD bool null_arena(const char *call) {
+    sp_misuse(SP_ERR_INVALID_ARG, call, NULL, "NULL arena");
+    return true;
+}
+#define NULL_ARENA(a, call) (SP_UNLIKELY(!(a)) && null_arena(call))
+
 uint64_t sp_frame_arena_advance(sp_frame_arena *a, sp_frame_buffer_status *closed) {
+    if (NULL_ARENA(a, "sp_frame_arena_advance")) {
+        if (closed) *closed = (sp_frame_buffer_status){0};
+        return 0;
+    }
     frame_buffer *b = &a->buf[a->current];
     size_t top = 0;
     sp_frame_buffer_status st;
@@ -504,10 +515,11 @@ uint64_t sp_frame_arena_advance(sp_frame_arena *a, sp_frame_buffer_status *close
 }
 
 uint64_t sp_frame_arena_frame(const sp_frame_arena *a) {
-    return a->frame;
+    return NULL_ARENA(a, "sp_frame_arena_frame") ? 0 : a->frame;
 }
 
 int sp_frame_arena_buffer_of(const sp_frame_arena *a, const void *p) {
+    if (NULL_ARENA(a, "sp_frame_arena_buffer_of")) return -1;
     uintptr_t off = (uintptr_t)p - (uintptr_t)a->region;
     if (off >= (uintptr_t)a->capacity * a->buffers) return -1;
     return (int)(off / a->capacity);
@@ -515,6 +527,14 @@ int sp_frame_arena_buffer_of(const sp_frame_arena *a, const void *p) {
 
 void sp_frame_buffer_status_get(const sp_frame_arena *a, uint32_t buffer,
                                 sp_frame_buffer_status *out) {
+    if (SP_UNLIKELY(!out)) {
+        sp_misuse(SP_ERR_INVALID_ARG, "sp_frame_buffer_status_get", a, "NULL out");
+        return;
+    }
+    if (NULL_ARENA(a, "sp_frame_buffer_status_get")) {
+        *out = (sp_frame_buffer_status){0};
+        return;
+    }
     if (SP_UNLIKELY(buffer >= a->buffers)) {
         *out = (sp_frame_buffer_status){0};
         sp_misuse(SP_ERR_INVALID_ARG, "sp_frame_buffer_status_get", a,

@@ -53,6 +53,9 @@
  *
  * Order: sp_frame_arena_create; any number of frames (allocations, then one advance); destroy.
  * Arenas are independent of each other and of the other spindle modules (no init needed).
+ * A NULL arena is misuse (SP_ERR_INVALID_ARG, reported; advance and frame return 0, buffer_of
+ * -1) except on the allocation fast paths, which read the arena first and do not check: there,
+ * as after destroy, it is undefined.
  *
  * Concurrency:
  *   sp_frame_alloc, sp_frame_aligned_alloc      any number of threads and fibers at once
@@ -174,7 +177,8 @@ uint64_t sp_frame_arena_frame(const sp_frame_arena *a);
  * blocks included). O(1): a subtraction and a division. Any thread. */
 int sp_frame_arena_buffer_of(const sp_frame_arena *a, const void *p);
 
-/* Status of one buffer. A buffer index >= buffers is misuse (SP_ERR_INVALID_ARG; *out zeroed).
+/* Status of one buffer. A buffer index >= buffers is misuse (SP_ERR_INVALID_ARG; *out zeroed);
+ * so are a NULL arena (*out zeroed) and a NULL out.
  * The chunks are counted on the claim records of the buffer's frame (a line per thread that
  * claimed in the arena, at most 64). See the concurrency table. */
 void sp_frame_buffer_status_get(const sp_frame_arena *a, uint32_t buffer,

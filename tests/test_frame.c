@@ -546,6 +546,20 @@ static void test_misuse(void) {
     sp_frame_buffer_status_get(a, 2, &st);
     ok(ts_logged.last_id == SP_ERR_INVALID_ARG && st.capacity == 0,
        "status of buffer 2 of 2: SP_ERR_INVALID_ARG, zeroed");
+    /* A NULL arena (outside the allocation fast paths) and a NULL out. */
+    ts_log_reset();
+    sp_frame_buffer_status closed;
+    memset(&closed, 0xff, sizeof closed);
+    memset(&st, 0xff, sizeof st);
+    bool answers = sp_frame_arena_advance(NULL, &closed) == 0 && closed.capacity == 0 &&
+                   sp_frame_arena_frame(NULL) == 0 && sp_frame_arena_buffer_of(NULL, a) == -1;
+    sp_frame_buffer_status_get(NULL, 0, &st);
+    sp_frame_buffer_status_get(a, 0, NULL);
+    ok(answers && st.capacity == 0 && ts_logged.count == 5 &&
+           ts_logged.last_id == SP_ERR_INVALID_ARG,
+       "a NULL arena (advance 0, frame 0, buffer_of -1, status zeroed) and a NULL status out: "
+       "each reported (%d of 5)",
+       ts_logged.count);
     sp_frame_arena_destroy(a);
 
     sp_result r = SP_OK;
@@ -903,7 +917,7 @@ static void test_churn(void) {
 }
 
 int main(void) {
-    plan(58);
+    plan(59);
     for (uint32_t n = 1; n <= 4; n++) test_lifetime(n);
     test_alignment();
     test_chunks();
