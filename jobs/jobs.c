@@ -287,7 +287,9 @@ static void *watchdog_thread(void *arg) {
 
 /* ---- create and destroy ---------------------------------------------------------------- */
 
-enum { MAX_FIBER_STACK = 1 << 30 };
+/* A fiber stack holds the job and whatever the library runs on it: a misuse report from a job
+ * (formatting, the logger) needs about 5 KiB of it in a release build, more under ASan. */
+enum { MIN_FIBER_STACK = 16 << 10, MAX_FIBER_STACK = 1 << 30 };
 
 static sp_result desc_resolve(sp_jobs_desc *d) {
     if (d->no_workers) {
@@ -306,8 +308,8 @@ static sp_result desc_resolve(sp_jobs_desc *d) {
     if (d->spin_ns == 0) d->spin_ns = 50000;
     if (d->watchdog_ms == 0) d->watchdog_ms = 2000;
     if (d->workers > MAX_WORKERS - 1 || d->fibers < d->workers + 2 || d->fibers_max < d->fibers ||
-        d->fiber_stack > MAX_FIBER_STACK || !sp_is_pow2(d->deque_size) ||
-        d->deque_size > (1u << 24))
+        d->fiber_stack < MIN_FIBER_STACK || d->fiber_stack > MAX_FIBER_STACK ||
+        !sp_is_pow2(d->deque_size) || d->deque_size > (1u << 24))
         return SP_ERR_INVALID_ARG;
     return SP_OK;
 }
@@ -346,12 +348,12 @@ sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc) {
     }
     sp_jobs_desc d = desc ? *desc : (sp_jobs_desc){0};
     if (SP_UNLIKELY(desc_resolve(&d) != SP_OK))
-        return sp_misuse(SP_ERR_INVALID_ARG, "sp_jobs_create", desc,
-                         "bad desc: workers %u (at most %d), fibers %u (at least workers + 2), "
-                         "fibers_max %u (0, or at least fibers), fiber_stack %zu (at most 1 GiB), "
-                         "deque_size %u (a power of two up to 2^24)",
-                         d.workers, MAX_WORKERS - 1, d.fibers, d.fibers_max, d.fiber_stack,
-                         d.deque_size);
+        return sp_misuse(
+            SP_ERR_INVALID_ARG, "sp_jobs_create", desc,
+            "bad desc: workers %u (at most %d), fibers %u (at least workers + 2), "
+            "fibers_max %u (0, or at least fibers), fiber_stack %zu (16 KiB to 1 GiB), "
+            "deque_size %u (a power of two up to 2^24)",
+            d.workers, MAX_WORKERS - 1, d.fibers, d.fibers_max, d.fiber_stack, d.deque_size);
     sp_jobs *s = aligned_alloc(64, sp_align_up(sizeof *s, 64));
     if (!s) return SP_ERR_NOMEM;
     memset(s, 0, sizeof *s);

@@ -130,7 +130,9 @@ typedef struct sp_jobs_desc {
     uint32_t fibers;      /* fibers made at create (default 128) */
     uint32_t fibers_max;  /* the pool doubles on demand up to this (default 32 * fibers; set it
                              to fibers for a fixed pool): bounds the jobs parked at once */
-    size_t fiber_stack;   /* bytes per fiber stack (default 256 KiB; committed as touched),
+    size_t fiber_stack;   /* bytes per fiber stack (default 256 KiB, at least 16 KiB: the
+                             library's own paths on it, such as a misuse report, need some
+                             of it; committed as touched),
                              a guard page below each: job code with frames above a page must
                              be built with -fstack-clash-protection for an overflow to fault
                              there rather than write into the next stack */
@@ -169,7 +171,7 @@ typedef struct sp_jobs_status {
  * Cost: thread starts, fiber pool reservation, job records. Returns SP_OK with *out set;
  * SP_ERR_INVALID_ARG (misuse, logged: NULL out, deque_size not a power of two or above 2^24,
  * more than 63 workers, fewer fibers than workers + 2, fibers_max below fibers, fiber_stack
- * above 1 GiB), SP_ERR_LIMIT
+ * below 16 KiB or above 1 GiB), SP_ERR_LIMIT
  * (the thread already belongs to a scheduler), SP_ERR_NOMEM (also for a max_jobs too large to
  * allocate), SP_ERR_OS (a thread or the fiber pool could not be made; whatever started is
  * stopped again). Address space for fibers_max stacks is reserved at create (1 GiB with the

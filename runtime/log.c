@@ -1,8 +1,10 @@
 /* The logger, the misuse policy and the fatal path (see sp_log.h). */
+#include <errno.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include "sp_internal.h"
 
@@ -49,10 +51,25 @@ static const char *level_name(sp_log_level l) {
     return (unsigned)l < SP_ARRAY_LEN(names) ? names[l] : "?";
 }
 
+/* One line, formatted here and written with one write(2): no stdio lock, and little stack
+ * (fprintf to the unbuffered stderr put an 8 KiB buffer on the stack, more than a small fiber
+ * stack had left). A line longer than the buffer is cut. */
 static void log_stderr(void *user, const sp_log_record *rec) {
     (void)user;
-    fprintf(stderr, "spindle %s: %s: %s%s%p: %s\n", level_name(rec->level), sp_result_name(rec->id),
-            rec->call ? rec->call : "", rec->call ? " at " : "", rec->addr, rec->message);
+    int saved = errno; /* a report from inside free() leaves errno as it was */
+    char line[768];
+    int n = snprintf(line, sizeof line, "spindle %s: %s: %s%s%p: %s\n", level_name(rec->level),
+                     sp_result_name(rec->id), rec->call ? rec->call : "", rec->call ? " at " : "",
+                     rec->addr, rec->message);
+    if (n < 0) return;
+    size_t len = (size_t)n < sizeof line ? (size_t)n : sizeof line - 1;
+    if ((size_t)n >= sizeof line) line[len - 1] = '\n';
+    for (size_t off = 0; off < len;) {
+        ssize_t w = write(STDERR_FILENO, line + off, len - off);
+        if (w <= 0) break;
+        off += (size_t)w;
+    }
+    errno = saved;
 }
 
 static void sink_set(sink *s, uintptr_t fn, uintptr_t user) {

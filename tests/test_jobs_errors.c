@@ -118,8 +118,44 @@ static void *other_thread(void *arg) {
     return NULL;
 }
 
+/* A misuse report from jobs on the smallest fiber stack, with the default (stderr) logger: the
+ * library's own path must fit (glibc's fprintf to stderr took 8 KiB of the stack, and an 8 KiB
+ * stack, accepted then, overflowed into its guard page). */
+static void null_add_job(void *arg) {
+    (void)arg;
+    sp_counter_add(NULL, 1);
+}
+
+static void small_stack_child(void *arg) {
+    (void)arg;
+    sp_misuse_set_fatal(false);
+    sp_jobs *s = NULL;
+    if (sp_jobs_create(&s, &(sp_jobs_desc){.workers = 1, .fiber_stack = 16 << 10}) != SP_OK)
+        _exit(3);
+    sp_counter *k = sp_counter_create(s, "k");
+    sp_job_desc j[8];
+    for (int i = 0; i < 8; i++) j[i] = (sp_job_desc){.fn = null_add_job, .name = "null add"};
+    sp_jobs_submit(s, j, 8, k);
+    sp_counter_wait(k, 0);
+    sp_counter_destroy(k);
+    sp_jobs_destroy(s);
+}
+
 static void test_create(void) {
     sp_jobs_desc d = {.no_workers = true};
+    sp_jobs_desc tiny = {.no_workers = true, .fiber_stack = 8 << 10};
+    sp_jobs *tiny_s = NULL;
+    jt_log_reset();
+    sp_result tiny_rc = sp_jobs_create(&tiny_s, &tiny);
+    ok(tiny_rc == SP_ERR_INVALID_ARG && tiny_s == NULL && jt_log_count(SP_ERR_INVALID_ARG, -1) == 1,
+       "fiber_stack 8 KiB (below 16 KiB): SP_ERR_INVALID_ARG, logged (%s)",
+       sp_result_name(tiny_rc));
+    static char text[16384];
+    int status = ts_child(small_stack_child, NULL, text, sizeof text);
+    ok(status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 0 &&
+           strstr(text, "sp_counter_add") != NULL,
+       "16 KiB fiber stacks: misuse reports from 8 jobs go to stderr, no crash (status %d)",
+       status);
     jt_log_reset();
     ok(sp_jobs_create(NULL, &d) == SP_ERR_INVALID_ARG && jt_log_count(SP_ERR_INVALID_ARG, -1) == 1,
        "sp_jobs_create(NULL out): SP_ERR_INVALID_ARG, logged");
