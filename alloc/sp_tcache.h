@@ -91,7 +91,9 @@ typedef struct sp_tcache_desc {
                                heaps grow; NULL: reserve our own */
     size_t region_size;     /* bytes of region (0: 64 GiB when we reserve, halved down to 1 GiB
                                to half the room an RLIMIT_AS limit leaves, and further while
-                               the OS refuses; at least 64 MiB) */
+                               the OS refuses; at least 64 MiB; with a region of the
+                               caller's, no more than it reserved: the heaps commit into it
+                               unchecked) */
     size_t max_class;       /* largest size served by classes (0: 32 KiB; at most 64 KiB;
                                rounded up to a class size) */
     uint32_t keep_empty;    /* empty spans a cache keeps for reuse (0: 2) */
@@ -208,7 +210,9 @@ size_t sp_tcache_tidy(void);
  *                                                 may fault), except where the header is
  *                                                 compiled with SP_DEBUG >= 1: there the
  *                                                 range check stays and it is refused as for
- *                                                 sp_tcache_free
+ *                                                 sp_tcache_free. A block of
+ *                                                 another thread's cache is not refused: it
+ *                                                 is freed as sp_tcache_free would (remote)
  * Cost: alloc is a table lookup and a pop; free is the pointer checks and a push (bench
  * `tcache local`: bench/README.md has the ratios to the peers); the slow path (with
  * tidy_orphans, first a try at the orphans' walk: sp_tcache_desc) takes the span's inbox,

@@ -110,7 +110,8 @@ size_t sp_tlsf_usable_size(sp_tlsf *t, const void *p);
  * SP_ERR_FOREIGN_POINTER) and, if why is not NULL, the reason in words. For a caller that
  * guards an unlocked heap with a lock of its own and reports once it has released it (a fatal
  * handler may longjmp out of a report). Locking as for usable_size. O(1) (plus the pool
- * search for a pointer outside the first pool). */
+ * search for a pointer outside the first pool). NULL p: SP_ERR_FOREIGN_POINTER (free(NULL) is
+ * a no-op, but NULL is no block). */
 sp_result sp_tlsf_check_ptr(sp_tlsf *t, const void *p, const char **why);
 
 /* Whether p lies inside one of the heap's pools. O(number of pools), no lock. */

@@ -196,9 +196,11 @@ sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc);
  * SP_ERR_SHUTDOWN. */
 sp_result sp_jobs_shutdown(sp_jobs *s);
 
-/* Shut down if not done (stalled jobs reported and abandoned as there), then free everything;
- * NULL is ignored. Main thread only, outside jobs, not the runtime's own scheduler: else misuse
- * (SP_ERR_INVALID_ARG, reported; nothing freed). */
+/* Shut down if not done (stalled jobs reported and abandoned as there), then free everything,
+ * its counters included (a counter or scheduler used after this is undefined: the scheduler's
+ * checks for destroyed counters need the scheduler); NULL is ignored. Main thread only, outside
+ * jobs, not the runtime's own scheduler: else misuse (SP_ERR_INVALID_ARG, reported; nothing freed).
+ */
 void sp_jobs_destroy(sp_jobs *s);
 
 /* Submit `count` jobs (the descs are copied; the array may be reused at once). If `counter`

@@ -43,8 +43,9 @@ size_t sp_huge_page_size(void);
  * (may be NULL) tells which. `size` is rounded up to the page (or huge page) size; callers
  * that need the rounded size round with sp_huge_page_size() themselves. With SP_PAGES_HUGE,
  * commit/decommit/guard/release work only on huge-page-aligned ranges (the kernel does not
- * split huge pages). size 0 is misuse. Returns NULL (and logs SP_ERR_OS at warn level) if the
- * OS refuses. */
+ * split huge pages). size 0 and an align that is not a power of two are misuse
+ * (SP_ERR_INVALID_ARG); a size that overflows when rounded returns NULL (SP_ERR_OVERFLOW,
+ * logged at warn level). Returns NULL (and logs SP_ERR_OS at warn level) if the OS refuses. */
 void *sp_vm_reserve(size_t size, size_t align, bool huge, sp_page_kind *granted);
 
 /* Make [p, p+size) readable and writable; pages are faulted in on first touch and read as
@@ -119,7 +120,8 @@ typedef void *(*sp_thread_fn)(void *arg);
 sp_result sp_thread_start(sp_thread *out, sp_thread_fn fn, void *arg, const char *name);
 
 /* Wait for a thread started by sp_thread_start; returns what its function returned (NULL,
- * and a logged SP_ERR_OS, if the join itself fails). */
+ * and a logged SP_ERR_OS, if the join itself fails). A thread joined already, or an sp_thread
+ * that sp_thread_start did not fill, is undefined (as for pthread_join). */
 void *sp_thread_join(sp_thread t);
 
 /* Name the calling thread (as seen by debuggers, top, perf). */

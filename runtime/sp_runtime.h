@@ -124,7 +124,8 @@ typedef struct sp_desc {
     uint32_t frame_buffers; /* 0: 2; else 2..4 (1 and above 4 are refused:
                                SP_ERR_INVALID_ARG). Frame i uses buffer i mod N; its data
                                lives through frame i + N - 1 */
-    size_t frame_chunk;     /* per-thread chunk of a buffer (0: the arena's default) */
+    size_t frame_chunk;     /* per-thread chunk of a buffer (0: the arena's default; above
+                               4 TiB is misuse, SP_ERR_INVALID_ARG) */
     sp_frame_overflow frame_overflow; /* a full buffer: NULL (default) or the central heap */
     size_t handle_size;         /* handle heap region (0: physical memory / 8, 64 MiB .. 4 GiB;
                                    sizes are rounded up to 2 MiB: above 64 GiB - 2 MiB is
@@ -283,7 +284,9 @@ void *sp_persistent_alloc(size_t size, size_t align);
  * (SP_ERR_INVALID_ARG; debug builds abort). */
 sp_result sp_retire(void *p, void (*free_fn)(void *));
 
-/* The subsystems, for their own APIs (stable between sp_init and sp_shutdown; NULL outside). */
+/* The subsystems, for their own APIs (stable between sp_init and sp_shutdown; NULL outside).
+ * sp_shutdown frees them: a call through a pointer saved from before is undefined (only the
+ * sp_* runtime entry points answer SP_ERR_SHUTDOWN), as are counters of the scheduler. */
 sp_jobs *sp_scheduler(void);
 sp_frame_arena *sp_frames(void);
 sp_handle_heap *sp_handles(void);
