@@ -232,8 +232,8 @@ void *sp_tcache_calloc(size_t n, size_t size);
 void *sp_tcache_realloc(void *p, size_t size);
 
 /* size bytes aligned to align (a power of two; up to 1 GiB). Up to 4 KiB served by classes
- * whose blocks are aligned; more by the large heap. Non-power-of-two: SP_ERR_BAD_ALIGNMENT
- * misuse, NULL. */
+ * whose blocks are aligned; more by the large heap. Not a power of two (0 included) or above
+ * 1 GiB: SP_ERR_BAD_ALIGNMENT misuse, NULL. */
 void *sp_tcache_aligned_alloc(size_t align, size_t size);
 
 /* Usable bytes of a live block (>= what was asked for); 0 for NULL or bad pointers. */

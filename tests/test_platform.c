@@ -321,6 +321,14 @@ static void test_bad_args(void) {
     int n = ts_logged.count;
     ok(sp_vm_reserve(ps, 3 * ps, false, NULL) == NULL, "reserve with align 3 pages fails");
     check_logged(n, SP_ERR_INVALID_ARG, "sp_vm_reserve", NULL);
+    n = ts_logged.count;
+    ok(sp_vm_reserve(SIZE_MAX, 0, false, NULL) == NULL, "reserve of SIZE_MAX bytes fails");
+    check_logged(n, SP_ERR_OVERFLOW, "sp_vm_reserve", NULL);
+    sp_thread th;
+    n = ts_logged.count;
+    ok(sp_thread_start(NULL, NULL, NULL, "x") == SP_ERR_INVALID_ARG &&
+           sp_thread_start(&th, NULL, NULL, "x") == SP_ERR_INVALID_ARG && ts_logged.count == n + 2,
+       "sp_thread_start with a NULL out or fn: SP_ERR_INVALID_ARG, reported");
 
     n = ts_logged.count;
     is_int(sp_vm_commit(p + 1, ps), SP_ERR_INVALID_ARG, "commit of an unaligned pointer");
@@ -474,7 +482,7 @@ static void test_futex(void) {
 }
 
 int main(void) {
-    plan(58);
+    plan(61);
     test_page_size();              /* 1 */
     test_reserve_commit();         /* 3 */
     test_alignment();              /* 2 */
@@ -486,7 +494,7 @@ int main(void) {
     test_decommit_keeps_mapping(); /* 2 */
     test_decommit_inaccessible();  /* 2 */
     test_decommit_hugetlb();       /* 1 */
-    test_bad_args();               /* 14 */
+    test_bad_args();               /* 17 */
     test_cpu_count();              /* 2 */
     test_clocks();                 /* 3 */
     test_threads();                /* 7 */

@@ -139,6 +139,16 @@ static void test_regions(void) {
     ts_log_capture();
     ok(sp_persistent_alloc(2 * MiB, 16) == NULL && ts_logged.last_id == SP_ERR_NOMEM,
        "persistent_alloc past the region: NULL, SP_ERR_NOMEM logged");
+    ts_log_reset();
+    sp_handle big_align = sp_handle_alloc(sp_handles(), 16, 8192);
+    sp_counter *no_counter = sp_counter_create(NULL, "x");
+    sp_result no_fn = sp_retire(&big_align, NULL);
+    void *huge = sp_persistent_alloc(SIZE_MAX, 16);
+    ok(big_align.id == 0 && !no_counter && no_fn == SP_ERR_INVALID_ARG && !huge &&
+           ts_logged.count == 4,
+       "handle alignment 8192 {0}, sp_counter_create(NULL) NULL, sp_retire without free_fn "
+       "SP_ERR_INVALID_ARG, persistent SIZE_MAX NULL: each reported (%d of 4)",
+       ts_logged.count);
     ok(sp_persistent_alloc(16, 24) == NULL && ts_logged.last_id == SP_ERR_BAD_ALIGNMENT,
        "persistent_alloc with alignment 24: NULL, SP_ERR_BAD_ALIGNMENT");
     ts_log_release();

@@ -290,6 +290,10 @@ static void test_init_refusals(void) {
        "then a good init: SP_OK (the refusals left the caches down); a second one "
        "SP_ERR_INVALID_ARG, reported");
     ts_log_reset();
+    void *a0 = sp_tcache_aligned_alloc(0, 16), *a31 = sp_tcache_aligned_alloc((size_t)1 << 31, 16);
+    ok(!a0 && !a31 && ts_logged.count == 2 && ts_logged.last_id == SP_ERR_BAD_ALIGNMENT,
+       "aligned_alloc with alignment 0 or 2^31 (above 1 GiB): NULL, SP_ERR_BAD_ALIGNMENT");
+    ts_log_reset();
     sp_tcache_status_get(NULL);
     sp_tcache_status_local(NULL);
     ok(ts_logged.count == 2 && ts_logged.last_id == SP_ERR_INVALID_ARG,
@@ -301,7 +305,7 @@ static void test_init_refusals(void) {
 }
 
 int main(void) {
-    plan(53);
+    plan(54);
     test_reported();
     test_large_unlocked();
     test_fatal();
