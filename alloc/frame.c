@@ -491,8 +491,10 @@ static SP_COLD bool null_arena(const char *call) {
 #define NULL_ARENA(a, call) (SP_UNLIKELY(!(a)) && null_arena(call))
 
 uint64_t sp_frame_arena_advance(sp_frame_arena *a, sp_frame_buffer_status *closed) {
-    if (NULL_ARENA(a, "sp_frame_arena_advance")) {
-        if (closed) *closed = (sp_frame_buffer_status){0};
+    if (SP_UNLIKELY(!a)) {
+        if (closed)
+            *closed = (sp_frame_buffer_status){0}; /* before the report, which may not return */
+        null_arena("sp_frame_arena_advance");
         return 0;
     }
     frame_buffer *b = &a->buf[a->current];
@@ -531,8 +533,9 @@ void sp_frame_buffer_status_get(const sp_frame_arena *a, uint32_t buffer,
         sp_misuse(SP_ERR_INVALID_ARG, "sp_frame_buffer_status_get", a, "NULL out");
         return;
     }
-    if (NULL_ARENA(a, "sp_frame_buffer_status_get")) {
+    if (SP_UNLIKELY(!a)) {
         *out = (sp_frame_buffer_status){0};
+        null_arena("sp_frame_buffer_status_get");
         return;
     }
     if (SP_UNLIKELY(buffer >= a->buffers)) {

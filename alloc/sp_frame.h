@@ -54,8 +54,8 @@
  * Order: sp_frame_arena_create; any number of frames (allocations, then one advance); destroy.
  * Arenas are independent of each other and of the other spindle modules (no init needed).
  * A NULL arena is misuse (SP_ERR_INVALID_ARG, reported; advance and frame return 0, buffer_of
- * -1) except on the allocation fast paths, which read the arena first and do not check: there,
- * as after destroy, it is undefined.
+ * -1; destroy ignores it) except on the allocation fast paths, which read the arena first and
+ * do not check: there, as after destroy, it is undefined.
  *
  * Concurrency:
  *   sp_frame_alloc, sp_frame_aligned_alloc      any number of threads and fibers at once

@@ -12,7 +12,8 @@
  * malloc, aligned_alloc and realloc(NULL, n) NULL, status zeros, add_pool, check and walk
  * SP_ERR_INVALID_ARG (each reported as misuse), free and the other pointer calls
  * SP_ERR_FOREIGN_POINTER; once the memory is reused, undefined. A NULL heap (and a NULL
- * status out or walker) is misuse too, answered the same way (check_ptr: SP_ERR_INVALID_ARG);
+ * status out or walker) is misuse too, answered the same way (check_ptr, which reports
+ * nothing: SP_ERR_INVALID_ARG);
  * sp_tlsf_destroy(NULL) returns 0 and sp_tlsf_owns(NULL, p) false.
  *
  * Concurrency:
@@ -74,7 +75,8 @@ typedef struct sp_tlsf_status {
 size_t sp_tlsf_control_size(void);
 
 /* Create a heap over desc->memory. Returns NULL (and logs) if the memory is NULL, too small,
- * or larger than one pool may be (SP_TLSF_MAX_BLOCK); with SP_ERR_* in *err if non-NULL. */
+ * larger than one pool may be (SP_TLSF_MAX_BLOCK), or wraps around the address space
+ * (SP_ERR_OVERFLOW, nothing written); with SP_ERR_* in *err if non-NULL. */
 sp_tlsf *sp_tlsf_create(const sp_tlsf_desc *desc, sp_result *err);
 
 /* Forget the heap. Returns the number of blocks still live (0 = no leak). */
@@ -111,7 +113,7 @@ size_t sp_tlsf_usable_size(sp_tlsf *t, const void *p);
  * guards an unlocked heap with a lock of its own and reports once it has released it (a fatal
  * handler may longjmp out of a report). Locking as for usable_size. O(1) (plus the pool
  * search for a pointer outside the first pool). NULL p: SP_ERR_FOREIGN_POINTER (free(NULL) is
- * a no-op, but NULL is no block). */
+ * a no-op, but NULL is no block); a NULL heap: SP_ERR_INVALID_ARG, also not reported. */
 sp_result sp_tlsf_check_ptr(sp_tlsf *t, const void *p, const char **why);
 
 /* Whether p lies inside one of the heap's pools. O(number of pools), no lock. */

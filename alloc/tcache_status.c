@@ -45,7 +45,6 @@ static void cache_count(cache *c, sp_tcache_status *st) {
     st->remote_collected += __atomic_load_n(&c->remote_collected, __ATOMIC_RELAXED);
 }
 
-/* Zero the figures; false if the caches are not initialised (nothing else to read). */
 /* Zero st; false (nothing to count) before init. A NULL st is misuse under `call`. */
 static bool status_begin(sp_tcache_status *st, const char *call) {
     if (SP_UNLIKELY(!st)) {

@@ -478,6 +478,12 @@ sp_tlsf *sp_tlsf_create(const sp_tlsf_desc *desc, sp_result *err) {
         goto out;
     }
     uintptr_t base = sp_align_up((uintptr_t)desc->memory, ALIGN);
+    if (base < (uintptr_t)desc->memory || (uintptr_t)desc->memory + desc->size < base) {
+        /* Checked before the control structure is written there. */
+        r = sp_misuse(SP_ERR_OVERFLOW, "sp_tlsf_create", desc->memory,
+                      "memory + %zu wraps around the address space", desc->size);
+        goto out;
+    }
     size_t skew = base - (uintptr_t)desc->memory, control = sp_tlsf_control_size();
     if (desc->size < skew + control) {
         sp_log(SP_LOG_WARN, SP_ERR_TOO_SMALL, "sp_tlsf_create", desc->memory,
@@ -607,17 +613,18 @@ static void *aligned_alloc_any(sp_tlsf *t, size_t align, size_t size);
 
 TRACK_INTERNAL void *sp_tlsf_aligned_alloc(sp_tlsf *t, size_t align, size_t size) {
     if (NULL_ARG(t, "sp_tlsf_aligned_alloc", "heap")) return NULL;
+    if (!sp_is_pow2(align) || align > MAX_ALIGN) { /* one report, not also a failed alloc's */
+        sp_misuse(SP_ERR_BAD_ALIGNMENT, "sp_tlsf_aligned_alloc", (void *)align,
+                  "alignment %zu is not a power of two up to %zu", align, MAX_ALIGN);
+        return NULL;
+    }
     void *p = aligned_alloc_any(t, align, size);
     if (SP_UNLIKELY(!p)) alloc_failed(t, "sp_tlsf_aligned_alloc");
     return p;
 }
 
+/* align: a power of two up to MAX_ALIGN. */
 TRACK_INTERNAL static void *aligned_alloc_any(sp_tlsf *t, size_t align, size_t size) {
-    if (!sp_is_pow2(align) || align > MAX_ALIGN) {
-        sp_misuse(SP_ERR_BAD_ALIGNMENT, "sp_tlsf_aligned_alloc", (void *)align,
-                  "alignment %zu is not a power of two up to %zu", align, MAX_ALIGN);
-        return NULL;
-    }
     if (align <= ALIGN) return heap_malloc(t, size);
     if (size > SP_TLSF_MAX_BLOCK - align - MIN_BLOCK) return NULL;
     size_t want = adjust_size(size);
@@ -718,7 +725,7 @@ TRACK_INTERNAL size_t sp_tlsf_usable_size(sp_tlsf *t, const void *p) {
 }
 
 TRACK_INTERNAL sp_result sp_tlsf_check_ptr(sp_tlsf *t, const void *p, const char **why) {
-    if (NULL_ARG(t, "sp_tlsf_check_ptr", "heap")) {
+    if (SP_UNLIKELY(!t)) { /* not reported, as nothing here is */
         if (why) *why = "NULL heap";
         return SP_ERR_INVALID_ARG;
     }
@@ -745,8 +752,12 @@ TRACK_INTERNAL static size_t heap_bytes_free(const sp_tlsf *t) {
 
 TRACK_INTERNAL void sp_tlsf_status_get(sp_tlsf *t, sp_tlsf_status *out) {
     if (NULL_ARG(out, "sp_tlsf_status_get", "out")) return;
-    if (NULL_ARG(t, "sp_tlsf_status_get", "heap") ||
-        SP_UNLIKELY(!heap_lock_live(t, "sp_tlsf_status_get"))) {
+    if (SP_UNLIKELY(!t)) {
+        memset(out, 0, sizeof *out); /* before the report, which may not return */
+        null_arg("sp_tlsf_status_get", "heap");
+        return;
+    }
+    if (SP_UNLIKELY(!heap_lock_live(t, "sp_tlsf_status_get"))) {
         memset(out, 0, sizeof *out);
         return;
     }
