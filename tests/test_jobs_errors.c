@@ -14,7 +14,6 @@
  * thread or with stalled jobs, a sleep hook that signals, a deep fork-join tree. */
 #include <stdlib.h>
 #include <string.h>
-#include <sys/resource.h>
 #include <sys/wait.h>
 
 #include "jobs_internal.h"
@@ -1159,21 +1158,8 @@ static void deep_tree_case(uint32_t fibers, size_t stack_kib, bool fixed, unsign
  * of 256 KiB, 1 GiB), create settles for a smaller fibers_max: it used to fail. In a child,
  * with RLIMIT_AS at what the process maps now plus 600 MiB (not under sanitizers, whose
  * shadow mappings such a limit breaks). */
-static long vm_size_kib(void) {
-    FILE *f = fopen("/proc/self/status", "r");
-    char line[256];
-    long kib = -1;
-    while (f && fgets(line, sizeof line, f))
-        if (strncmp(line, "VmSize:", 7) == 0) kib = strtol(line + 7, NULL, 10);
-    if (f) fclose(f);
-    return kib;
-}
-
 static void limited_child(void *arg) {
-    long kib = vm_size_kib();
-    long more = *(long *)arg * 1024;
-    struct rlimit lim = {(rlim_t)(kib + more) << 10, (rlim_t)(kib + more) << 10};
-    if (kib < 0 || setrlimit(RLIMIT_AS, &lim) != 0) _exit(3);
+    if (!ts_limit_address_room((size_t) * (long *)arg << 20)) _exit(3);
     sp_jobs *s = NULL;
     sp_jobs_desc d = {.workers = 1};
     if (sp_jobs_create(&s, &d) != SP_OK) _exit(4);

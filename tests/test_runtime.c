@@ -7,7 +7,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/resource.h>
 #include <sys/wait.h>
 #include <time.h>
 
@@ -1234,13 +1233,7 @@ static void test_desc_sizes(void) {
  * MiB. */
 static void limited_init_child(void *arg) {
     const size_t room = *(const size_t *)arg * MiB;
-    FILE *f = fopen("/proc/self/statm", "r");
-    unsigned long pages = 0;
-    bool read = f && fscanf(f, "%lu", &pages) == 1;
-    if (f) fclose(f);
-    rlim_t at = (rlim_t)(pages * sp_page_size() + room);
-    struct rlimit lim = {at, at};
-    if (!read || setrlimit(RLIMIT_AS, &lim) != 0) _exit(3);
+    if (!ts_limit_address_room(room)) _exit(3);
     sp_desc d = {0};
     d.jobs.workers = 1;
     if (sp_init(&d) != SP_OK) _exit(4);

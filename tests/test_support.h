@@ -94,6 +94,11 @@ uint64_t ts_rng_range(ts_rng *r, uint64_t lo, uint64_t hi);
 
 /* True when built with ASan, TSan or UBSan, or run under Valgrind: scale work down. */
 bool ts_sanitized(void);
+
+/* Set RLIMIT_AS (soft and hard) to what the process maps now plus `room` bytes: for a forked
+ * child (it cannot be raised again). False if the mapped size cannot be read or the limit set.
+ * Not under sanitizers, whose shadow mappings such a limit breaks. */
+bool ts_limit_address_room(size_t room);
 /* n, divided by `div` when sanitized. */
 uint64_t ts_scaled(uint64_t n, uint64_t div);
 
