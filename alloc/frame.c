@@ -483,18 +483,11 @@ static void status_fill(const sp_frame_arena *a, uint32_t i, size_t chunks,
     };
 }
 
-/* A NULL arena given to `call`: misuse; true. */
-static SP_COLD bool null_arena(const char *call) {
-    sp_misuse(SP_ERR_INVALID_ARG, call, NULL, "NULL arena");
-    return true;
-}
-#define NULL_ARENA(a, call) (SP_UNLIKELY(!(a)) && null_arena(call))
-
 uint64_t sp_frame_arena_advance(sp_frame_arena *a, sp_frame_buffer_status *closed) {
     if (SP_UNLIKELY(!a)) {
         if (closed)
             *closed = (sp_frame_buffer_status){0}; /* before the report, which may not return */
-        null_arena("sp_frame_arena_advance");
+        sp_null_arg("sp_frame_arena_advance", NULL, "arena");
         return 0;
     }
     frame_buffer *b = &a->buf[a->current];
@@ -517,11 +510,11 @@ uint64_t sp_frame_arena_advance(sp_frame_arena *a, sp_frame_buffer_status *close
 }
 
 uint64_t sp_frame_arena_frame(const sp_frame_arena *a) {
-    return NULL_ARENA(a, "sp_frame_arena_frame") ? 0 : a->frame;
+    return SP_NULL_ARG(a, "sp_frame_arena_frame", NULL, "arena") ? 0 : a->frame;
 }
 
 int sp_frame_arena_buffer_of(const sp_frame_arena *a, const void *p) {
-    if (NULL_ARENA(a, "sp_frame_arena_buffer_of")) return -1;
+    if (SP_NULL_ARG(a, "sp_frame_arena_buffer_of", NULL, "arena")) return -1;
     uintptr_t off = (uintptr_t)p - (uintptr_t)a->region;
     if (off >= (uintptr_t)a->capacity * a->buffers) return -1;
     return (int)(off / a->capacity);
@@ -529,13 +522,10 @@ int sp_frame_arena_buffer_of(const sp_frame_arena *a, const void *p) {
 
 void sp_frame_buffer_status_get(const sp_frame_arena *a, uint32_t buffer,
                                 sp_frame_buffer_status *out) {
-    if (SP_UNLIKELY(!out)) {
-        sp_misuse(SP_ERR_INVALID_ARG, "sp_frame_buffer_status_get", a, "NULL out");
-        return;
-    }
+    if (SP_NULL_ARG(out, "sp_frame_buffer_status_get", a, "out")) return;
     if (SP_UNLIKELY(!a)) {
         *out = (sp_frame_buffer_status){0};
-        null_arena("sp_frame_buffer_status_get");
+        sp_null_arg("sp_frame_buffer_status_get", NULL, "arena");
         return;
     }
     if (SP_UNLIKELY(buffer >= a->buffers)) {

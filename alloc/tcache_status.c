@@ -47,10 +47,7 @@ static void cache_count(cache *c, sp_tcache_status *st) {
 
 /* Zero st; false (nothing to count) before init. A NULL st is misuse under `call`. */
 static bool status_begin(sp_tcache_status *st, const char *call) {
-    if (SP_UNLIKELY(!st)) {
-        sp_misuse(SP_ERR_INVALID_ARG, call, NULL, "NULL out");
-        return false;
-    }
+    if (SP_NULL_ARG(st, call, NULL, "out")) return false;
     memset(st, 0, sizeof *st);
     if (!atomic_load_explicit(&tc.ready, memory_order_acquire)) return false;
     st->class_count = tc.class_count;

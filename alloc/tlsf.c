@@ -519,23 +519,6 @@ size_t sp_tlsf_destroy(sp_tlsf *t) {
     return live;
 }
 
-/* A NULL argument `what` of `call`: misuse; true. */
-static SP_COLD bool null_arg(const char *call, const char *what) {
-    sp_misuse(SP_ERR_INVALID_ARG, call, NULL, "NULL %s", what);
-    return true;
-}
-#define NULL_ARG(x, call, what) (SP_UNLIKELY(!(x)) && null_arg(call, what))
-
-static bool heap_lock_live(sp_tlsf *t, const char *call);
-
-sp_result sp_tlsf_add_pool(sp_tlsf *t, void *memory, size_t size) {
-    if (NULL_ARG(t, "sp_tlsf_add_pool", "heap") || !heap_lock_live(t, "sp_tlsf_add_pool"))
-        return SP_ERR_INVALID_ARG;
-    pool_verdict v = pool_add(t, memory, size);
-    heap_unlock(t);
-    return v.id == SP_OK ? SP_OK : pool_report(v, "sp_tlsf_add_pool", memory, size);
-}
-
 /* ---- allocation ---------------------------------------------------------------------------- */
 
 /* Carve `want` bytes off the end of b, the head of list (fl, sl), which has room for them and
@@ -602,24 +585,18 @@ static SP_COLD void alloc_failed(sp_tlsf *t, const char *call) {
     if (heap_lock_live(t, call)) heap_unlock(t);
 }
 
-TRACK_INTERNAL void *sp_tlsf_malloc(sp_tlsf *t, size_t size) {
-    if (NULL_ARG(t, "sp_tlsf_malloc", "heap")) return NULL;
-    void *p = heap_malloc(t, size);
-    if (SP_UNLIKELY(!p)) alloc_failed(t, "sp_tlsf_malloc");
-    return p;
+sp_result sp_tlsf_add_pool(sp_tlsf *t, void *memory, size_t size) {
+    if (SP_NULL_ARG(t, "sp_tlsf_add_pool", NULL, "heap") || !heap_lock_live(t, "sp_tlsf_add_pool"))
+        return SP_ERR_INVALID_ARG;
+    pool_verdict v = pool_add(t, memory, size);
+    heap_unlock(t);
+    return v.id == SP_OK ? SP_OK : pool_report(v, "sp_tlsf_add_pool", memory, size);
 }
 
-static void *aligned_alloc_any(sp_tlsf *t, size_t align, size_t size);
-
-TRACK_INTERNAL void *sp_tlsf_aligned_alloc(sp_tlsf *t, size_t align, size_t size) {
-    if (NULL_ARG(t, "sp_tlsf_aligned_alloc", "heap")) return NULL;
-    if (!sp_is_pow2(align) || align > MAX_ALIGN) { /* one report, not also a failed alloc's */
-        sp_misuse(SP_ERR_BAD_ALIGNMENT, "sp_tlsf_aligned_alloc", (void *)align,
-                  "alignment %zu is not a power of two up to %zu", align, MAX_ALIGN);
-        return NULL;
-    }
-    void *p = aligned_alloc_any(t, align, size);
-    if (SP_UNLIKELY(!p)) alloc_failed(t, "sp_tlsf_aligned_alloc");
+TRACK_INTERNAL void *sp_tlsf_malloc(sp_tlsf *t, size_t size) {
+    if (SP_NULL_ARG(t, "sp_tlsf_malloc", NULL, "heap")) return NULL;
+    void *p = heap_malloc(t, size);
+    if (SP_UNLIKELY(!p)) alloc_failed(t, "sp_tlsf_malloc");
     return p;
 }
 
@@ -656,8 +633,20 @@ TRACK_INTERNAL static void *aligned_alloc_any(sp_tlsf *t, size_t align, size_t s
     return p;
 }
 
+TRACK_INTERNAL void *sp_tlsf_aligned_alloc(sp_tlsf *t, size_t align, size_t size) {
+    if (SP_NULL_ARG(t, "sp_tlsf_aligned_alloc", NULL, "heap")) return NULL;
+    if (!sp_is_pow2(align) || align > MAX_ALIGN) { /* one report, not also a failed alloc's */
+        sp_misuse(SP_ERR_BAD_ALIGNMENT, "sp_tlsf_aligned_alloc", (void *)align,
+                  "alignment %zu is not a power of two up to %zu", align, MAX_ALIGN);
+        return NULL;
+    }
+    void *p = aligned_alloc_any(t, align, size);
+    if (SP_UNLIKELY(!p)) alloc_failed(t, "sp_tlsf_aligned_alloc");
+    return p;
+}
+
 TRACK_INTERNAL void sp_tlsf_free(sp_tlsf *t, void *p) {
-    if (!p || NULL_ARG(t, "sp_tlsf_free", "heap")) return;
+    if (!p || SP_NULL_ARG(t, "sp_tlsf_free", NULL, "heap")) return;
     heap_lock(t);
     verdict v = block_check_live(t, p);
     if (SP_LIKELY(v.b)) block_release(t, v.b);
@@ -685,7 +674,7 @@ TRACK_INTERNAL static bool block_resize_in_place(sp_tlsf *t, block *b, size_t wa
 }
 
 TRACK_INTERNAL void *sp_tlsf_realloc(sp_tlsf *t, void *p, size_t size) {
-    if (NULL_ARG(t, "sp_tlsf_realloc", "heap")) return NULL;
+    if (SP_NULL_ARG(t, "sp_tlsf_realloc", NULL, "heap")) return NULL;
     if (!p) {
         void *q = heap_malloc(t, size);
         if (SP_UNLIKELY(!q)) alloc_failed(t, "sp_tlsf_realloc");
@@ -715,7 +704,7 @@ TRACK_INTERNAL void *sp_tlsf_realloc(sp_tlsf *t, void *p, size_t size) {
 }
 
 TRACK_INTERNAL size_t sp_tlsf_usable_size(sp_tlsf *t, const void *p) {
-    if (!p || NULL_ARG(t, "sp_tlsf_usable_size", "heap")) return 0;
+    if (!p || SP_NULL_ARG(t, "sp_tlsf_usable_size", NULL, "heap")) return 0;
     heap_lock(t);
     verdict v = block_check_live(t, p);
     size_t size = v.b ? block_size(v.b) : 0;
@@ -751,10 +740,10 @@ TRACK_INTERNAL static size_t heap_bytes_free(const sp_tlsf *t) {
 }
 
 TRACK_INTERNAL void sp_tlsf_status_get(sp_tlsf *t, sp_tlsf_status *out) {
-    if (NULL_ARG(out, "sp_tlsf_status_get", "out")) return;
+    if (SP_NULL_ARG(out, "sp_tlsf_status_get", NULL, "out")) return;
     if (SP_UNLIKELY(!t)) {
         memset(out, 0, sizeof *out); /* before the report, which may not return */
-        null_arg("sp_tlsf_status_get", "heap");
+        sp_null_arg("sp_tlsf_status_get", NULL, "heap");
         return;
     }
     if (SP_UNLIKELY(!heap_lock_live(t, "sp_tlsf_status_get"))) {
@@ -782,7 +771,9 @@ TRACK_INTERNAL void sp_tlsf_status_get(sp_tlsf *t, sp_tlsf_status *out) {
 }
 
 TRACK_INTERNAL void sp_tlsf_walk(sp_tlsf *t, sp_tlsf_walker fn, void *user) {
-    if (NULL_ARG(t, "sp_tlsf_walk", "heap") || NULL_ARG(fn, "sp_tlsf_walk", "walker")) return;
+    if (SP_NULL_ARG(t, "sp_tlsf_walk", NULL, "heap") ||
+        SP_NULL_ARG(fn, "sp_tlsf_walk", NULL, "walker"))
+        return;
     if (SP_UNLIKELY(!heap_lock_live(t, "sp_tlsf_walk"))) return;
     for (size_t i = 0; i < t->pool_count; i++) {
         block *end = (block *)(t->pools[i].hi - HEADER);
@@ -811,7 +802,8 @@ TRACK_INTERNAL sp_result sp_tlsf_check(sp_tlsf *t) {
     char why[160];
     const void *bad = NULL;
     size_t used = 0, free_bytes = 0, live = 0, free_count = 0;
-    if (NULL_ARG(t, "sp_tlsf_check", "heap") || SP_UNLIKELY(!heap_lock_live(t, "sp_tlsf_check")))
+    if (SP_NULL_ARG(t, "sp_tlsf_check", NULL, "heap") ||
+        SP_UNLIKELY(!heap_lock_live(t, "sp_tlsf_check")))
         return SP_ERR_INVALID_ARG;
     for (size_t i = 0; i < t->pool_count; i++) {
         block *end = (block *)(t->pools[i].hi - HEADER), *prev = NULL, *b;

@@ -171,6 +171,11 @@ sp_result sp_misuse(sp_result id, const char *call, const void *addr, const char
     return id;
 }
 
+bool sp_null_arg(const char *call, const void *addr, const char *what) {
+    sp_misuse(SP_ERR_INVALID_ARG, call, addr, "NULL %s", what);
+    return true;
+}
+
 void sp_misuse_set_fatal(bool fatal) {
     atomic_store(&misuse_fatal_flag, fatal);
 }

@@ -42,6 +42,12 @@ static inline uintptr_t sp_align_down(uintptr_t x, size_t a) {
     } while (0)
 #define SP_INVARIANT(cond, call, addr) SP_CHECK_TIER(2, cond, call, addr)
 
+/* A NULL argument `what` of `call` (addr: the object it came with, if any): reported as misuse
+ * (SP_ERR_INVALID_ARG); returns true. SP_NULL_ARG(x, ...) is true, after the report, when x
+ * is NULL: `if (SP_NULL_ARG(t, "sp_tlsf_malloc", NULL, "heap")) return NULL;`. */
+SP_HIDDEN SP_COLD bool sp_null_arg(const char *call, const void *addr, const char *what);
+#define SP_NULL_ARG(x, call, addr, what) (SP_UNLIKELY(!(x)) && sp_null_arg(call, addr, what))
+
 /* Objects the runtime owns (sp_handles, sp_frames, sp_scheduler): while kept, the public calls
  * that would end them refuse (misuse, SP_ERR_INVALID_ARG: sp_shutdown ends them); the runtime
  * lets go (false) before it ends them itself. Main thread, between frames. */
