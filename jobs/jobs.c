@@ -201,18 +201,8 @@ void jobs_keep(sp_jobs *s, bool keep) {
     s->kept = keep;
 }
 
-sp_result sp_jobs_shutdown(sp_jobs *s) {
-    if (SP_UNLIKELY(!s))
-        return sp_misuse(SP_ERR_INVALID_ARG, "sp_jobs_shutdown", s, "NULL scheduler");
-    if (main_thread_only(s, "sp_jobs_shutdown") != SP_OK) return SP_ERR_INVALID_ARG;
-    if (SP_UNLIKELY(s->kept)) /* read on the main thread, which alone writes it */
-        return sp_misuse(SP_ERR_INVALID_ARG, "sp_jobs_shutdown", s,
-                         "the runtime's scheduler (sp_scheduler): sp_shutdown stops it");
-    return jobs_shutdown(s);
-}
-
-sp_result jobs_shutdown(sp_jobs *s) {
-    if (main_thread_only(s, "sp_jobs_shutdown") != SP_OK) return SP_ERR_INVALID_ARG;
+/* The shutdown itself, its caller's checks done (main thread, outside jobs and hooks). */
+static sp_result shutdown_run(sp_jobs *s) {
     worker *w = &s->workers[0];
     if (atomic_exchange(&s->closing, 1)) return SP_ERR_SHUTDOWN;
     /* Drain: the main thread runs jobs until its loop sees nothing outstanding. */
@@ -240,6 +230,21 @@ sp_result jobs_shutdown(sp_jobs *s) {
     sp_mutex_unlock(&s->spare_lock);
     atomic_store(&s->stopped, 1);
     return s->abandoned_records || atomic_load(&s->stalled_waits) ? SP_ERR_STALLED : SP_OK;
+}
+
+sp_result sp_jobs_shutdown(sp_jobs *s) {
+    if (SP_UNLIKELY(!s))
+        return sp_misuse(SP_ERR_INVALID_ARG, "sp_jobs_shutdown", s, "NULL scheduler");
+    if (main_thread_only(s, "sp_jobs_shutdown") != SP_OK) return SP_ERR_INVALID_ARG;
+    if (SP_UNLIKELY(s->kept)) /* read on the main thread, which alone writes it */
+        return sp_misuse(SP_ERR_INVALID_ARG, "sp_jobs_shutdown", s,
+                         "the runtime's scheduler (sp_scheduler): sp_shutdown stops it");
+    return shutdown_run(s);
+}
+
+sp_result jobs_shutdown(sp_jobs *s) {
+    if (main_thread_only(s, "sp_jobs_shutdown") != SP_OK) return SP_ERR_INVALID_ARG;
+    return shutdown_run(s);
 }
 
 /* ---- watchdog (debug builds) ----------------------------------------------------------- */
@@ -470,7 +475,7 @@ void sp_jobs_destroy(sp_jobs *s) {
                   "the runtime's scheduler (sp_scheduler): sp_shutdown destroys it");
         return;
     }
-    if (!atomic_load(&s->stopped)) sp_jobs_shutdown(s); /* stalled jobs: reported, abandoned */
+    if (!atomic_load(&s->stopped)) shutdown_run(s); /* stalled jobs: reported, abandoned */
     sp_fiber_thread_leave(s->workers[0].thread_fiber);
     jobs_set_current_worker(NULL);
     jobs_free(s);
