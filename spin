@@ -27,15 +27,15 @@ RELEASE_OPTS=(--buildtype=release -Ddebug_level=0)
 DEBUG_ENV=(CC=gcc CXX=g++)
 # float-cast-overflow: gcc's -fsanitize=undefined leaves it out (a double converted past
 # UINT64_MAX would pass unseen).
-DEBUG_OPTS=(--buildtype=debug -Ddebug_level=1 -Db_sanitize=address,undefined
-            "-Dc_args=-fno-sanitize-recover=all -fsanitize=float-cast-overflow"
-            -Dcpp_args=-fno-sanitize-recover=all -Dbench=disabled)
+UB_ARGS=("-Dc_args=-fno-sanitize-recover=all -fsanitize=float-cast-overflow"
+         -Dcpp_args=-fno-sanitize-recover=all)
+DEBUG_OPTS=(--buildtype=debug -Ddebug_level=1 -Db_sanitize=address,undefined "${UB_ARGS[@]}"
+            -Dbench=disabled)
 # UBSan alone: glibc's allocator hands out memory aligned as asked, where ASan's over-aligns
 # and so hides a misaligned object (an arena allocated 64-aligned for a 128-aligned type).
 UBSAN_ENV=(CC=gcc CXX=g++)
-UBSAN_OPTS=(--buildtype=debug -Ddebug_level=1 -Db_sanitize=undefined
-            "-Dc_args=-fno-sanitize-recover=all -fsanitize=float-cast-overflow"
-            -Dcpp_args=-fno-sanitize-recover=all -Dbench=disabled -Ddemos=false)
+UBSAN_OPTS=(--buildtype=debug -Ddebug_level=1 -Db_sanitize=undefined "${UB_ARGS[@]}"
+            -Dbench=disabled -Ddemos=false)
 TSAN_ENV=(CC=clang-14 CXX=clang++-14)
 TSAN_OPTS=(--buildtype=debugoptimized -Db_sanitize=thread -Db_lundef=false -Dbench=disabled)
 VALGRIND_ENV=(CC=gcc CXX=g++)

@@ -61,12 +61,8 @@ static void log_stderr(void *user, const sp_log_record *rec) {
     int n = snprintf(line, sizeof line, "spindle %s: %s: %s%s%p: %s\n", level_name(rec->level),
                      sp_result_name(rec->id), rec->call ? rec->call : "", rec->call ? " at " : "",
                      rec->addr, rec->message);
-    if (n < 0) {
-        errno = saved;
-        return;
-    }
-    size_t len = (size_t)n < sizeof line ? (size_t)n : sizeof line - 1;
-    if ((size_t)n >= sizeof line) line[len - 1] = '\n';
+    size_t len = n < 0 ? 0 : (size_t)n < sizeof line ? (size_t)n : sizeof line - 1;
+    if (len == sizeof line - 1) line[len - 1] = '\n'; /* cut (or exactly full: ends so anyway) */
     for (size_t off = 0; off < len;) {
         ssize_t w = write(STDERR_FILENO, line + off, len - off);
         if (w < 0 && errno == EINTR) continue;

@@ -36,12 +36,9 @@ static const char *errno_text(int err, char *buf, size_t n) {
 #if defined(__GLIBC__) && __GLIBC_PREREQ(2, 32)
     const char *text = strerrordesc_np(err);
     if (text) return text;
-    snprintf(buf, n, "errno %d", err);
-    return buf;
-#else
-    snprintf(buf, n, "errno %d", err);
-    return buf;
 #endif
+    snprintf(buf, n, "errno %d", err);
+    return buf;
 }
 
 /* Log an OS refusal (resource class: warn, SP_ERR_OS) with the call, address and errno;
