@@ -436,7 +436,18 @@ sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc) {
     for (uint32_t i = 1; i <= s->nworkers; i++) {
         char name[16];
         snprintf(name, sizeof name, "spindle-w%u", i);
-        r = sp_thread_start(&s->workers[i].thread, worker_thread, &s->workers[i], name);
+        /* pin_workers: the CPU is set when the thread is made, so the worker, its thread_start
+         * hook and what they touch first are on it from the start. A CPU the OS refuses now
+         * (the mask changed since sp_cpu_nth read it: logged by sp_thread_start_on) leaves
+         * that worker unpinned rather than failing create. */
+        int cpu = d.pin_workers ? sp_cpu_nth(i) : SP_CPU_ANY;
+        worker *wi = &s->workers[i];
+        r = cpu == SP_CPU_ANY ? SP_ERR_OS
+                              : sp_thread_start_on(&wi->thread, worker_thread, wi, name, cpu);
+        if (r == SP_OK)
+            s->workers_pinned++;
+        else
+            r = sp_thread_start(&wi->thread, worker_thread, wi, name);
         if (r != SP_OK) { /* shutdown stops the ones that started */
             sp_jobs_shutdown(s);
             sp_fiber_thread_leave(main->thread_fiber);
@@ -488,6 +499,7 @@ void sp_jobs_status_get(sp_jobs *s, sp_jobs_status *out) {
     }
     memset(out, 0, sizeof *out);
     out->workers = s->nworkers;
+    out->workers_pinned = s->workers_pinned;
     out->jobs_submitted = SUM(s, submitted) + atomic_load(&s->ext_submitted);
     out->jobs_run = sp_jobs_run_count(s);
     out->jobs_stolen = SUM(s, stolen);

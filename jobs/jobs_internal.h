@@ -208,6 +208,7 @@ struct sp_jobs {
     /* watchdog */
     sp_thread watchdog;
     bool watchdog_started;
+    uint32_t workers_pinned; /* background workers pinned at create (pin_workers) */
     _Atomic uint32_t watchdog_stop;
 };
 

@@ -127,6 +127,16 @@ typedef struct sp_jobs_desc {
     uint32_t workers;     /* background worker threads; 0 = default (CPU count), see no_workers */
     bool no_workers;      /* true: start no thread; every job runs on the main thread in its
                              waits (deterministic order) */
+    bool pin_workers;     /* true: background worker k (1..workers) runs only on CPU
+                             sp_cpu_nth(k), the k-th (mod their count, from 0) of the CPUs the
+                             creating thread may run on, from its first instruction: one
+                             worker per CPU, the lowest left to the main thread while workers
+                             < CPUs (with as many workers as CPUs, the default, the last
+                             shares it). The main thread is not pinned: to keep it there, pin
+                             it after create (sp_thread_pin(sp_thread_self(), sp_cpu_nth(0))),
+                             not before, which would leave every worker that one CPU. A CPU
+                             the OS refuses is logged (warning) and that worker runs
+                             unpinned: sp_jobs_status.workers_pinned counts those pinned */
     uint32_t fibers;      /* fibers made at create (default 128) */
     uint32_t fibers_max;  /* the pool doubles on demand up to this (default 32 * fibers; set it
                              to fibers for a fixed pool): bounds the jobs parked at once */
@@ -152,6 +162,7 @@ typedef struct sp_jobs_desc {
 
 typedef struct sp_jobs_status {
     uint32_t workers;        /* background threads (not counting the main thread) */
+    uint32_t workers_pinned; /* of them, pinned to a CPU (pin_workers) */
     uint64_t jobs_submitted; /* since create; parallel_for pieces split off count as jobs */
     uint64_t jobs_run;       /* finished (each with a job_begin and a job_end hook call) */
     uint64_t jobs_stolen;

@@ -331,24 +331,44 @@ void sp_vm_release(void *p, size_t size) {
 
 /* ---- CPU, clocks ----------------------------------------------------------------------- */
 
-uint32_t sp_cpu_count(void) {
-    /* Affinity can change at run time, so this is not cached. Cost: one system call (more
-     * only on machines with over 1024 CPUs). */
+/* The calling thread's affinity mask (CPU_FREE it), its size in *bytes; NULL if it cannot be
+ * read. Affinity can change at run time, so this is not cached. Cost: one system call (more
+ * only on machines with over 1024 CPUs). */
+static cpu_set_t *affinity_get(size_t *bytes) {
     for (size_t ncpu = 1024; ncpu <= (1u << 20); ncpu *= 2) {
         cpu_set_t *set = CPU_ALLOC(ncpu);
         if (!set) break;
-        size_t bytes = CPU_ALLOC_SIZE(ncpu);
-        CPU_ZERO_S(bytes, set);
-        if (sched_getaffinity(0, bytes, set) == 0) {
-            int n = CPU_COUNT_S(bytes, set);
-            CPU_FREE(set);
-            return n > 0 ? (uint32_t)n : 1;
-        }
+        *bytes = CPU_ALLOC_SIZE(ncpu);
+        CPU_ZERO_S(*bytes, set);
+        if (sched_getaffinity(0, *bytes, set) == 0) return set;
         CPU_FREE(set);
         if (errno != EINVAL) break;
     }
+    return NULL;
+}
+
+uint32_t sp_cpu_count(void) {
+    size_t bytes;
+    cpu_set_t *set = affinity_get(&bytes);
+    if (set) {
+        int n = CPU_COUNT_S(bytes, set);
+        CPU_FREE(set);
+        return n > 0 ? (uint32_t)n : 1;
+    }
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     return n > 0 ? (uint32_t)n : 1;
+}
+
+int sp_cpu_nth(uint32_t k) {
+    size_t bytes;
+    cpu_set_t *set = affinity_get(&bytes);
+    if (!set) return SP_CPU_ANY;
+    int n = CPU_COUNT_S(bytes, set), cpu = SP_CPU_ANY;
+    if (n > 0)
+        for (int c = 0, seen = 0; cpu == SP_CPU_ANY && (size_t)c < bytes * 8; c++)
+            if (CPU_ISSET_S((size_t)c, bytes, set) && seen++ == (int)(k % (uint32_t)n)) cpu = c;
+    CPU_FREE(set);
+    return cpu;
 }
 
 uint64_t sp_memory_size(void) {
@@ -438,27 +458,68 @@ static void *thread_main(void *raw) {
     return st.fn(st.arg);
 }
 
-sp_result sp_thread_start(sp_thread *out, sp_thread_fn fn, void *arg, const char *name) {
+/* *out: a mask of the one CPU cpu (CPU_FREE it), *bytes its size. A CPU out of range is
+ * misuse, reported under call. */
+static sp_result cpu_mask_one(int cpu, cpu_set_t **out, size_t *bytes, const char *call,
+                              const void *addr) {
+    if (SP_UNLIKELY(cpu < 0 || cpu >= SP_CPU_MAX))
+        return sp_misuse(SP_ERR_INVALID_ARG, call, addr, "CPU %d (0 .. %d)", cpu, SP_CPU_MAX - 1);
+    if (SP_UNLIKELY(!(*out = CPU_ALLOC((size_t)cpu + 1)))) {
+        sp_log(SP_LOG_WARN, SP_ERR_NOMEM, call, addr, "no memory for a CPU mask");
+        return SP_ERR_NOMEM;
+    }
+    *bytes = CPU_ALLOC_SIZE((size_t)cpu + 1);
+    CPU_ZERO_S(*bytes, *out);
+    CPU_SET_S((size_t)cpu, *bytes, *out);
+    return SP_OK;
+}
+
+static sp_result thread_start_on(sp_thread *out, sp_thread_fn fn, void *arg, const char *name,
+                                 int cpu, const char *call) {
     if (SP_UNLIKELY(!out || !fn))
-        return sp_misuse(SP_ERR_INVALID_ARG, "sp_thread_start", out, "NULL %s",
-                         out ? "function" : "output");
+        return sp_misuse(SP_ERR_INVALID_ARG, call, out, "NULL %s", out ? "function" : "output");
+    size_t bytes = 0;
+    cpu_set_t *mask = NULL;
+    sp_result r = cpu == SP_CPU_ANY ? SP_OK : cpu_mask_one(cpu, &mask, &bytes, call, NULL);
+    if (SP_UNLIKELY(r != SP_OK)) return r;
     thread_start *st = malloc(sizeof *st);
     if (SP_UNLIKELY(!st)) {
-        sp_log(SP_LOG_WARN, SP_ERR_NOMEM, "sp_thread_start", NULL, "no memory for a start record");
+        CPU_FREE(mask);
+        sp_log(SP_LOG_WARN, SP_ERR_NOMEM, call, NULL, "no memory for a start record");
         return SP_ERR_NOMEM;
     }
     st->fn = fn;
     st->arg = arg;
     st->name[0] = 0;
     if (name) snprintf(st->name, sizeof st->name, "%s", name);
+    /* The mask goes in the attributes: the thread runs its first instruction on that CPU (a
+     * pin after the start would leave its first steps, and whatever it touches then, on any
+     * CPU). */
+    pthread_attr_t attr;
+    int err = pthread_attr_init(&attr);
+    if (!err && mask) err = pthread_attr_setaffinity_np(&attr, bytes, mask);
     pthread_t t;
-    int err = pthread_create(&t, NULL, thread_main, st);
+    if (!err) err = pthread_create(&t, &attr, thread_main, st);
+    pthread_attr_destroy(&attr);
+    CPU_FREE(mask);
     if (SP_UNLIKELY(err != 0)) {
         free(st);
-        return os_fail("sp_thread_start", NULL, "pthread_create", 0, err);
+        if (!mask) return os_fail(call, NULL, "pthread_create", 0, err);
+        char what[48];
+        snprintf(what, sizeof what, "pthread_create on CPU %d", cpu);
+        return os_fail(call, NULL, what, 0, err);
     }
     out->os = (uintptr_t)t;
     return SP_OK;
+}
+
+sp_result sp_thread_start(sp_thread *out, sp_thread_fn fn, void *arg, const char *name) {
+    return thread_start_on(out, fn, arg, name, SP_CPU_ANY, "sp_thread_start");
+}
+
+sp_result sp_thread_start_on(sp_thread *out, sp_thread_fn fn, void *arg, const char *name,
+                             int cpu) {
+    return thread_start_on(out, fn, arg, name, cpu, "sp_thread_start_on");
 }
 
 void *sp_thread_join(sp_thread t) {
@@ -471,6 +532,25 @@ void *sp_thread_join(sp_thread t) {
         return NULL;
     }
     return ret;
+}
+
+sp_result sp_thread_pin(sp_thread t, int cpu) {
+    size_t bytes = 0;
+    cpu_set_t *set = NULL;
+    sp_result r = cpu_mask_one(cpu, &set, &bytes, "sp_thread_pin", (const void *)t.os);
+    if (SP_UNLIKELY(r != SP_OK)) return r;
+    int err = pthread_setaffinity_np((pthread_t)t.os, bytes, set);
+    CPU_FREE(set);
+    if (SP_UNLIKELY(err != 0)) {
+        char what[48];
+        snprintf(what, sizeof what, "pthread_setaffinity_np to CPU %d", cpu);
+        return os_fail("sp_thread_pin", (const void *)t.os, what, 0, err);
+    }
+    return SP_OK;
+}
+
+sp_thread sp_thread_self(void) {
+    return (sp_thread){(uintptr_t)pthread_self()};
 }
 
 void sp_thread_set_name(const char *name) {

@@ -86,6 +86,15 @@ void sp_vm_release(void *p, size_t size);
  * affinity may change): one system call per call. */
 uint32_t sp_cpu_count(void);
 
+/* CPU numbers: 0 .. SP_CPU_MAX - 1; SP_CPU_ANY for no CPU in particular. */
+#define SP_CPU_MAX (1 << 20)
+#define SP_CPU_ANY (-1)
+
+/* The number of the CPU at index k mod sp_cpu_count() among those the calling thread may run
+ * on (its affinity mask, ascending): k = 0 is the lowest. SP_CPU_ANY if the mask cannot be
+ * read. One system call per call. */
+int sp_cpu_nth(uint32_t k);
+
 /* Bytes of physical memory (sysconf), 0 when unknown. One system call per call. */
 uint64_t sp_memory_size(void);
 
@@ -119,10 +128,27 @@ typedef void *(*sp_thread_fn)(void *arg);
  * (SP_ERR_INVALID_ARG). */
 sp_result sp_thread_start(sp_thread *out, sp_thread_fn fn, void *arg, const char *name);
 
+/* As sp_thread_start, the thread restricted to CPU `cpu` from its first instruction (its
+ * affinity set in the creation attributes); SP_CPU_ANY: no restriction. A CPU the OS refuses
+ * (outside the process's cpuset, not online) fails the start: SP_ERR_OS (logged), no thread
+ * started. Any other negative cpu, or one at SP_CPU_MAX or above, is misuse
+ * (SP_ERR_INVALID_ARG). */
+sp_result sp_thread_start_on(sp_thread *out, sp_thread_fn fn, void *arg, const char *name, int cpu);
+
 /* Wait for a thread started by sp_thread_start; returns what its function returned (NULL,
  * and a logged SP_ERR_OS, if the join itself fails). A thread joined already, or an sp_thread
  * that sp_thread_start did not fill, is undefined (as for pthread_join). */
 void *sp_thread_join(sp_thread t);
+
+/* The calling thread, as an sp_thread (for sp_thread_pin; not to be joined). */
+sp_thread sp_thread_self(void);
+
+/* Restrict a running thread t (started by sp_thread_start*, or sp_thread_self) to CPU `cpu`
+ * (pthread_setaffinity_np; any thread may call it, one system call; undo by setting the old
+ * mask with sched_setaffinity). The calling thread moves before this returns. SP_ERR_OS
+ * (logged) when the OS refuses, e.g. a CPU outside the process's cpuset or not online; a
+ * negative cpu, or one at SP_CPU_MAX or above, is misuse (SP_ERR_INVALID_ARG). */
+sp_result sp_thread_pin(sp_thread t, int cpu);
 
 /* Name the calling thread (as seen by debuggers, top, perf). */
 void sp_thread_set_name(const char *name);

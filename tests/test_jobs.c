@@ -4,7 +4,10 @@
  * batches (a diamond and a chain, ordered by sequence numbers), waits from jobs, from the main
  * thread and from a thread that is not a worker, hand-signalled counters, parallel_for (sums,
  * exactly-once coverage, nesting), priorities, pinned jobs, hooks, status figures, shutdown
- * with pending work, and wait chains deeper than the fiber pool. */
+ * with pending work, and wait chains deeper than the fiber pool. Once, outside the sweep:
+ * pin_workers (each worker on its own CPU, the creating thread untouched). */
+#include <errno.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -1159,8 +1162,134 @@ static void test_chain(const jt_config *c, bool grow) {
     jt_log_reset();
 }
 
+/* ---- pin_workers ------------------------------------------------------------------------- */
+
+enum { PIN_WORKERS = 3 };
+
+/* Where a job pinned to worker k ran: its CPU and the thread's affinity mask. */
+typedef struct cpu_rec {
+    int cpu, count;
+    cpu_set_t mask;
+} cpu_rec;
+
+static void cpu_fn(void *arg) {
+    cpu_rec *r = arg;
+    CPU_ZERO(&r->mask);
+    r->count = sched_getaffinity(0, sizeof r->mask, &r->mask) == 0 ? CPU_COUNT(&r->mask) : -1;
+    r->cpu = sched_getcpu();
+}
+
+/* One scheduler of PIN_WORKERS workers (pin: pin_workers) made by the calling thread, a job
+ * pinned to each worker and to the calling thread; recs[k] where worker k's ran. */
+typedef struct pin_run {
+    bool pin, ran;
+    uint32_t pinned;
+    cpu_rec recs[PIN_WORKERS + 1];
+    cpu_set_t creator; /* pin_thread: the creating thread's mask */
+} pin_run;
+
+static pin_run *run_pinned(pin_run *p) {
+    p->ran = false;
+    sp_jobs *s = NULL;
+    if (sp_jobs_create(&s, &(sp_jobs_desc){.workers = PIN_WORKERS, .pin_workers = p->pin}) != SP_OK)
+        return p;
+    sp_jobs_status st;
+    sp_jobs_status_get(s, &st);
+    p->pinned = st.workers_pinned;
+    sp_counter *c = sp_counter_create(s, "cpus");
+    sp_job_desc d[PIN_WORKERS + 1];
+    for (uint32_t k = 0; k <= PIN_WORKERS; k++) {
+        p->recs[k] = (cpu_rec){.cpu = -1, .count = -1};
+        d[k] = jt_job(cpu_fn, &p->recs[k], "cpu");
+        d[k].pinned = true;
+        d[k].worker = k;
+    }
+    p->ran =
+        c && sp_jobs_submit(s, d, PIN_WORKERS + 1, c) == SP_OK && sp_counter_wait(c, 0) == SP_OK;
+    sp_counter_destroy(c);
+    sp_jobs_destroy(s);
+    return p;
+}
+
+/* run_pinned on a thread of its own restricted to p->creator first: the test's main thread
+ * keeps its mask whatever happens. */
+static void *pin_thread(void *arg) {
+    pin_run *p = arg;
+    p->ran = false;
+    return sched_setaffinity(0, sizeof p->creator, &p->creator) == 0 ? run_pinned(p) : p;
+}
+
+/* Linked with -Wl,--wrap=pthread_attr_setaffinity_np (tests/meson.build): while refuse_cpu
+ * is set, every CPU is refused as the OS refuses one outside the process's cpuset. */
+int __real_pthread_attr_setaffinity_np(pthread_attr_t *a, size_t bytes, const cpu_set_t *set);
+int __wrap_pthread_attr_setaffinity_np(pthread_attr_t *a, size_t bytes, const cpu_set_t *set);
+static atomic_int refuse_cpu;
+int __wrap_pthread_attr_setaffinity_np(pthread_attr_t *a, size_t bytes, const cpu_set_t *set) {
+    return atomic_load(&refuse_cpu) ? EINVAL : __real_pthread_attr_setaffinity_np(a, bytes, set);
+}
+
+/* Worker k runs on sp_cpu_nth(k) only and the creating thread stays as it was; without the
+ * flag nothing is pinned; a creating thread restricted to one CPU puts every worker there; a
+ * CPU the OS refuses leaves the worker unpinned, logged, and create succeeds. */
+static void test_pin_workers(void) {
+    cpu_set_t all;
+    CPU_ZERO(&all);
+    if (sched_getaffinity(0, sizeof all, &all) != 0) {
+        for (int i = 0; i < 4; i++) skip("the affinity mask does not fit a cpu_set_t");
+        return;
+    }
+    int n = CPU_COUNT(&all);
+    pin_run p = {.pin = true};
+    run_pinned(&p);
+    bool right = true;
+    for (uint32_t k = 1; k <= PIN_WORKERS; k++) {
+        int want = sp_cpu_nth(k);
+        cpu_rec *r = &p.recs[k];
+        right &= r->count == 1 && CPU_ISSET(want, &r->mask) && r->cpu == want;
+        if (r->count != 1 || r->cpu != want)
+            diag("  worker %u: %d CPUs in its mask, ran on %d, want %d", k, r->count, r->cpu, want);
+    }
+    ok(p.ran && p.pinned == PIN_WORKERS && right && CPU_EQUAL(&p.recs[0].mask, &all),
+       "pin_workers: worker k runs only on sp_cpu_nth(k) (%u workers, %d CPUs), all counted "
+       "pinned; the creating thread's mask is left as it was",
+       PIN_WORKERS, n);
+
+    p = (pin_run){.pin = false};
+    run_pinned(&p);
+    bool free_all = p.ran;
+    for (uint32_t k = 0; k <= PIN_WORKERS; k++) free_all &= CPU_EQUAL(&p.recs[k].mask, &all);
+    ok(free_all && p.pinned == 0, "without pin_workers no thread is pinned (status: 0 pinned)");
+
+    int last = sp_cpu_nth((uint32_t)n - 1);
+    p = (pin_run){.pin = true};
+    CPU_ZERO(&p.creator);
+    CPU_SET(last, &p.creator);
+    pthread_t t;
+    bool there =
+        pthread_create(&t, NULL, pin_thread, &p) == 0 && pthread_join(t, NULL) == 0 && p.ran;
+    for (uint32_t k = 0; k <= PIN_WORKERS; k++) there &= CPU_EQUAL(&p.recs[k].mask, &p.creator);
+    ok(there && p.pinned == PIN_WORKERS,
+       "pin_workers from a thread allowed on CPU %d only: every worker pinned there", last);
+
+    jt_log_reset();
+    atomic_store(&refuse_cpu, 1);
+    p = (pin_run){.pin = true};
+    run_pinned(&p);
+    atomic_store(&refuse_cpu, 0);
+    bool unpinned = p.ran;
+    for (uint32_t k = 0; k <= PIN_WORKERS; k++) unpinned &= CPU_EQUAL(&p.recs[k].mask, &all);
+    int warned = jt_logged.by_id[-SP_ERR_OS][SP_LOG_WARN];
+    ok(unpinned && p.pinned == 0 && warned == PIN_WORKERS,
+       "pin_workers with every CPU refused: create succeeds, the workers run unpinned (status: "
+       "%u pinned), one warning each (%d)",
+       p.pinned, warned);
+    jt_log_reset();
+}
+
 int main(void) {
     jt_log_capture();
+    jt_deadline("pin_workers", 30);
+    test_pin_workers();
     for (int i = 0; i < JT_SWEEP; i++) {
         jt_deadline(jt_sweep[i].name, 60);
         sweep(&jt_sweep[i]);

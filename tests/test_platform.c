@@ -370,6 +370,98 @@ static void test_cpu_count(void) {
     is_int(n, want, "cpu count matches sched_getaffinity");
 }
 
+/* Where a thread started: its CPU and mask at its first instruction; then (pin_to >= 0) the
+ * same after it pinned itself with sp_thread_pin. */
+typedef struct cpu_probe {
+    int pin_to;
+    int cpu, count, pinned_cpu, pinned_count, nth5;
+    sp_result pin;
+    cpu_set_t mask, pinned_mask;
+} cpu_probe;
+
+static void *cpu_probe_run(void *arg) {
+    cpu_probe *p = arg;
+    CPU_ZERO(&p->mask);
+    p->count = sched_getaffinity(0, sizeof p->mask, &p->mask) == 0 ? CPU_COUNT(&p->mask) : -1;
+    p->cpu = sched_getcpu();
+    if (p->pin_to >= 0) {
+        p->pin = sp_thread_pin(sp_thread_self(), p->pin_to);
+        CPU_ZERO(&p->pinned_mask);
+        p->pinned_count = sched_getaffinity(0, sizeof p->pinned_mask, &p->pinned_mask) == 0
+                              ? CPU_COUNT(&p->pinned_mask)
+                              : -1;
+        p->pinned_cpu = sched_getcpu();
+        p->nth5 = sp_cpu_nth(5);
+    }
+    return NULL;
+}
+
+/* Start a probe (on cpu, SP_CPU_ANY for none), wait for it; the start's result. */
+static sp_result probe(cpu_probe *p, int cpu) {
+    sp_thread t;
+    sp_result r = sp_thread_start_on(&t, cpu_probe_run, p, "sp-cpu", cpu);
+    if (r == SP_OK) sp_thread_join(t);
+    return r;
+}
+
+/* sp_cpu_nth against the mask read by hand; threads started on a CPU, or pinned to one, run
+ * there only (each test on threads of its own: this one's mask never changes); the refusals. */
+static void test_cpu_pin(void) {
+    cpu_set_t all;
+    CPU_ZERO(&all);
+    if (sched_getaffinity(0, sizeof all, &all) != 0) {
+        for (int i = 0; i < 6; i++) skip("the affinity mask does not fit a cpu_set_t");
+        return;
+    }
+    int cpus[CPU_SETSIZE], n = 0;
+    for (int c = 0; c < CPU_SETSIZE; c++)
+        if (CPU_ISSET(c, &all)) cpus[n++] = c;
+    bool nth = n > 0;
+    for (int k = 0; nth && k < 2 * n + 1; k++) nth = sp_cpu_nth((uint32_t)k) == cpus[k % n];
+    ok(nth, "sp_cpu_nth(k) is the (k mod %d)-th CPU of the affinity mask", n);
+
+    int last = cpus[n - 1];
+    cpu_probe on = {.pin_to = -1}, any = {.pin_to = -1};
+    sp_result r = probe(&on, last), r_any = probe(&any, SP_CPU_ANY);
+    ok(r == SP_OK && on.count == 1 && CPU_ISSET(last, &on.mask) && on.cpu == last &&
+           r_any == SP_OK && CPU_EQUAL(&any.mask, &all),
+       "sp_thread_start_on(CPU %d): the thread runs there only from its start; SP_CPU_ANY: "
+       "the creator's mask",
+       last);
+
+    cpu_probe self = {.pin_to = last};
+    r = probe(&self, SP_CPU_ANY);
+    ok(r == SP_OK && self.pin == SP_OK && self.pinned_count == 1 &&
+           CPU_ISSET(last, &self.pinned_mask) && self.pinned_cpu == last && self.nth5 == last,
+       "sp_thread_pin(sp_thread_self(), %d): the thread moves there before it returns, and "
+       "sp_cpu_nth then sees one CPU",
+       last);
+
+    ts_log_capture();
+    int logged = ts_logged.count;
+    sp_thread t;
+    bool bad = sp_thread_pin(sp_thread_self(), -1) == SP_ERR_INVALID_ARG &&
+               sp_thread_start_on(&t, cpu_probe_run, &on, "x", -5) == SP_ERR_INVALID_ARG &&
+               sp_thread_start_on(&t, cpu_probe_run, &on, "x", SP_CPU_MAX) == SP_ERR_INVALID_ARG;
+    ok(bad && ts_logged.count == logged + 3 && ts_logged.last_id == SP_ERR_INVALID_ARG,
+       "sp_thread_pin to CPU -1, sp_thread_start_on to -5 or SP_CPU_MAX: SP_ERR_INVALID_ARG, "
+       "each reported");
+    logged = ts_logged.count;
+    cpu_set_t now;
+    CPU_ZERO(&now);
+    r = sp_thread_pin(sp_thread_self(), SP_CPU_MAX - 1); /* no machine here has it */
+    ok(r == SP_ERR_OS && ts_logged.count == logged + 1 && ts_logged.last_id == SP_ERR_OS &&
+           sched_getaffinity(0, sizeof now, &now) == 0 && CPU_EQUAL(&now, &all),
+       "sp_thread_pin to a CPU the machine lacks: SP_ERR_OS, logged, the mask unchanged");
+    logged = ts_logged.count;
+    on = (cpu_probe){.pin_to = -1, .cpu = -2};
+    r = sp_thread_start_on(&t, cpu_probe_run, &on, "x", SP_CPU_MAX - 1);
+    ok(r == SP_ERR_OS && ts_logged.count == logged + 1 && ts_logged.last_id == SP_ERR_OS &&
+           on.cpu == -2,
+       "sp_thread_start_on a CPU the machine lacks: SP_ERR_OS, logged, no thread started");
+    ts_log_release();
+}
+
 static void test_clocks(void) {
     bool mono = true;
     uint64_t prev = sp_time_ns();
@@ -482,7 +574,7 @@ static void test_futex(void) {
 }
 
 int main(void) {
-    plan(61);
+    plan(67);
     test_page_size();              /* 1 */
     test_reserve_commit();         /* 3 */
     test_alignment();              /* 2 */
@@ -496,6 +588,7 @@ int main(void) {
     test_decommit_hugetlb();       /* 1 */
     test_bad_args();               /* 17 */
     test_cpu_count();              /* 2 */
+    test_cpu_pin();                /* 6 */
     test_clocks();                 /* 3 */
     test_threads();                /* 7 */
     test_futex();                  /* 3 */
