@@ -12,6 +12,11 @@
  *               tcache    sp_tcache_alloc; the job first frees, with sp_tcache_free, the
  *                         blocks it allocated two frames ago (what the arena reclaims then)
  *               glibc / mimalloc   malloc, and free of the blocks of two frames ago likewise
+ *               bump      no allocator: a pointer bumped over memory of the thread's own (one
+ *                         buffer per live frame, [frame % 2], rounded to 16 as the arena),
+ *                         nothing shared, nothing freed. The floor under the arena: its
+ *                         2 / 1 throughput is what the machine gives this access pattern
+ *                         (the blocks' first words, the slot array, the size table)
  *             Headline ns_per_alloc: per worker thread (averaged over threads), that thread's
  *             time inside its jobs (frees included) plus the advances, over its allocations.
  *             wall_ns_per_alloc: wall time from the first job's start to the last job's end
@@ -19,10 +24,12 @@
  *             main_job_ns, worker_job_ns (workers:2): per frame, the advance, the main
  *             thread's job, the worker's job: what the headline is made of. workers:1 = the
  *             scheduler with no worker threads (jobs run on the main thread in its waits);
- *             workers:2 = the main thread plus one worker, one job pinned to each; the two
- *             jobs meet at a spin barrier before their timed part so that wake-up latency is
- *             not timed. 2^20 allocations per thread per sample (1,024 or 256 frames) after 16
- *             untimed warm-up frames. A frame's blocks take about 140 KB (N = 1,024) or 560 KB
+ *             workers:2 = the main thread plus one worker thread, pinned to its CPU
+ *             (pin_workers: one worker per CPU, as engines run them; the main thread is
+ *             not pinned), one job pinned to each worker; the two jobs meet at a spin
+ *             barrier before their timed part so that wake-up latency is not timed. 2^20
+ *             allocations per thread per sample (1,024 or 256 frames) after 16 untimed
+ *             warm-up frames. A frame's blocks take about 140 KB (N = 1,024) or 560 KB
  *             (4,096) per thread, so the two live frames stay in a 2 MiB L2 cache (the Intel
  *             machine's; on the AMD machine's 1 MiB L2, 4,096's do not: bench/README.md,
  *             `frame`). Each frame costs a few cross-core cache-line transfers whatever the
@@ -65,7 +72,7 @@ static struct {
     bool smoke;
 } cfg = {1 << 20, 16, 2000, 20, 200, false};
 
-typedef enum who { ARENA, TCACHE, PROCESS } who;
+typedef enum who { ARENA, TCACHE, PROCESS, BUMP } who;
 
 typedef struct bench_arg {
     who w;
@@ -84,11 +91,24 @@ typedef struct worker_ctx {
     const uint32_t *sizes;
     uint32_t n;
     void **slots[2]; /* the blocks of the last two frames: [frame % 2] */
+    char *own[2];    /* bump: its buffers, BUMP_BYTES each: [frame % 2] */
     atomic_int *arrived;
     uint32_t threads;
     uint64_t frame;      /* frames this thread ran (the same on every thread) */
     uint64_t ns, t0, t1; /* time in jobs so far; this frame's start and end */
 } worker_ctx;
+
+/* A frame's blocks at most: 4,096 of at most 256 bytes. */
+#define BUMP_BYTES ((size_t)1 << 20)
+
+static inline __attribute__((always_inline)) void *bump_alloc(char **cur, const char *end,
+                                                              size_t size) {
+    size = (size + 15) & ~(size_t)15;
+    if (__builtin_expect(size > (size_t)(end - *cur), 0)) return NULL;
+    void *p = *cur;
+    *cur += size;
+    return p;
+}
 
 static inline __attribute__((always_inline)) void frame_work(who w, worker_ctx *x) {
     /* Locals, not x->: the allocators' fresh thread-local reads clobber memory, so fields read
@@ -97,12 +117,15 @@ static inline __attribute__((always_inline)) void frame_work(who w, worker_ctx *
     const uint32_t *sizes = x->sizes;
     const uint32_t n = x->n;
     sp_frame_arena *arena = x->arena;
+    char *cur = x->own[x->frame % 2];
+    const char *end = w == BUMP ? cur + BUMP_BYTES : NULL;
     if (w == TCACHE)
         for (uint32_t i = 0; i < n; i++) sp_tcache_free(slot[i]);
     else if (w == PROCESS)
         for (uint32_t i = 0; i < n; i++) free(slot[i]);
     for (uint32_t i = 0; i < n; i++) {
         void *p = w == ARENA    ? sp_frame_alloc(arena, sizes[i])
+                  : w == BUMP   ? bump_alloc(&cur, end, sizes[i])
                   : w == TCACHE ? sp_tcache_alloc(sizes[i])
                                 : malloc(sizes[i]);
         *(uint32_t *)p = i;
@@ -120,6 +143,9 @@ static __attribute__((noinline)) void work_tcache(worker_ctx *x) {
 static __attribute__((noinline)) void work_process(worker_ctx *x) {
     frame_work(PROCESS, x);
 }
+static __attribute__((noinline)) void work_bump(worker_ctx *x) {
+    frame_work(BUMP, x);
+}
 
 static void alloc_job(void *arg) {
     worker_ctx *x = arg;
@@ -128,11 +154,34 @@ static void alloc_job(void *arg) {
     while ((uint32_t)atomic_load_explicit(x->arrived, memory_order_acquire) < x->threads) {
     }
     x->t0 = sp_time_ns();
-    (x->w == ARENA ? work_arena : x->w == TCACHE ? work_tcache : work_process)(x);
+    static void (*const work[])(worker_ctx *) = {
+        [ARENA] = work_arena, [TCACHE] = work_tcache, [PROCESS] = work_process, [BUMP] = work_bump};
+    work[x->w](x);
     x->t1 = sp_time_ns();
     x->ns += x->t1 - x->t0;
     x->frame++; /* counted here, not set by the main thread: nothing it writes is read while
                    timed */
+}
+
+/* One frame: the jobs, then (arena) the advance. *wall: first job start to last job end;
+ * *adv: the advance's time. False if the submit or the wait failed. */
+static bool frame_run(sp_jobs *s, sp_counter *c, worker_ctx *x, sp_job_desc *jobs, uint32_t W,
+                      sp_frame_arena *arena, uint64_t *wall, uint64_t *adv) {
+    atomic_store(x[0].arrived, 0);
+    bool good = sp_jobs_submit(s, jobs, W, c) == SP_OK && sp_counter_wait(c, 0) == SP_OK;
+    uint64_t lo = x[0].t0, hi = x[0].t1;
+    for (uint32_t t = 1; t < W; t++) {
+        lo = x[t].t0 < lo ? x[t].t0 : lo;
+        hi = x[t].t1 > hi ? x[t].t1 : hi;
+    }
+    *wall = hi - lo;
+    *adv = 0;
+    if (arena) {
+        uint64_t a0 = sp_time_ns();
+        sp_frame_arena_advance(arena, NULL);
+        *adv = sp_time_ns() - a0;
+    }
+    return good;
 }
 
 static void run_alloc(bench_state *st, const void *varg) {
@@ -140,24 +189,28 @@ static void run_alloc(bench_state *st, const void *varg) {
     uint32_t W = a->workers, n = a->n;
     int64_t frames = cfg.sample_allocs / n > 1 ? cfg.sample_allocs / n : 1;
     sp_jobs *s = NULL;
-    sp_jobs_desc jd =
-        W == 1 ? (sp_jobs_desc){.no_workers = true} : (sp_jobs_desc){.workers = W - 1};
+    sp_jobs_desc jd = W == 1 ? (sp_jobs_desc){.no_workers = true}
+                             : (sp_jobs_desc){.workers = W - 1, .pin_workers = true};
     if (sp_jobs_create(&s, &jd) != SP_OK) {
         bench_skip_with_error(st, "sp_jobs_create failed");
         return;
     }
+    sp_jobs_status js;
+    sp_jobs_status_get(s, &js);
     sp_frame_arena *arena = NULL;
-    if (a->w == ARENA && !(arena = sp_frame_arena_create(NULL, NULL))) {
-        sp_jobs_destroy(s);
-        bench_skip_with_error(st, "sp_frame_arena_create failed");
-        return;
-    }
-    region mem;
+    region mem, own_mem = {0};
     uint32_t *sizes = region_get(&mem, (size_t)W * n * (sizeof(uint32_t) + 2 * sizeof(void *)));
-    if (!sizes) {
-        sp_frame_arena_destroy(arena);
+    char *own = a->w == BUMP ? region_get(&own_mem, (size_t)W * 2 * BUMP_BYTES) : NULL;
+    const char *why = js.workers_pinned != W - 1 ? "the worker could not be pinned (pin_workers)"
+                      : !sizes || (a->w == BUMP && !own) ? "harness memory"
+                      : a->w == ARENA && !(arena = sp_frame_arena_create(NULL, NULL))
+                          ? "sp_frame_arena_create failed"
+                          : NULL;
+    if (why) {
+        region_put(&own_mem);
+        region_put(&mem);
         sp_jobs_destroy(s);
-        bench_skip_with_error(st, "harness memory");
+        bench_skip_with_error(st, why);
         return;
     }
     void **slots = (void **)(void *)(sizes + (size_t)W * n + ((size_t)W * n & 1));
@@ -175,38 +228,25 @@ static void run_alloc(bench_state *st, const void *varg) {
                             .slots = {slots + (size_t)t * 2 * n, slots + (size_t)t * 2 * n + n},
                             .arrived = &arrived,
                             .threads = W};
+        for (int b = 0; own && b < 2; b++) x[t].own[b] = own + ((size_t)t * 2 + b) * BUMP_BYTES;
         jobs[t] = (sp_job_desc){
             .fn = alloc_job, .arg = &x[t], .name = "alloc", .pinned = true, .worker = t};
     }
     sp_counter *c = sp_counter_create(s, "frame");
-    uint64_t advance_ns = 0, wall_ns = 0;
+    uint64_t advance_ns = 0, wall_ns = 0, wall, adv;
     bool good = c != NULL;
-    /* One frame: the jobs, then (arena) the advance. */
-#define FRAME_RUN(timed)                                                                           \
-    do {                                                                                           \
-        atomic_store(&arrived, 0);                                                                 \
-        good &= sp_jobs_submit(s, jobs, W, c) == SP_OK;                                            \
-        good &= sp_counter_wait(c, 0) == SP_OK;                                                    \
-        uint64_t lo = x[0].t0, hi = x[0].t1;                                                       \
-        for (uint32_t t = 1; t < W; t++) {                                                         \
-            lo = x[t].t0 < lo ? x[t].t0 : lo;                                                      \
-            hi = x[t].t1 > hi ? x[t].t1 : hi;                                                      \
-        }                                                                                          \
-        if (timed) wall_ns += hi - lo;                                                             \
-        if (arena) {                                                                               \
-            uint64_t a0 = sp_time_ns();                                                            \
-            sp_frame_arena_advance(arena, NULL);                                                   \
-            if (timed) advance_ns += sp_time_ns() - a0;                                            \
-        }                                                                                          \
-    } while (0)
-    for (int64_t f = 0; good && f < cfg.warm_frames; f++) FRAME_RUN(false);
+    for (int64_t f = 0; good && f < cfg.warm_frames; f++)
+        good &= frame_run(s, c, x, jobs, W, arena, &wall, &adv);
     for (uint32_t t = 0; t < W; t++) x[t].ns = 0;
     int64_t timed_frames = 0;
     while (bench_keep_running_batch(st, frames)) {
-        for (int64_t f = 0; good && f < frames; f++) FRAME_RUN(true);
+        for (int64_t f = 0; good && f < frames; f++) {
+            good &= frame_run(s, c, x, jobs, W, arena, &wall, &adv);
+            wall_ns += wall;
+            advance_ns += adv;
+        }
         timed_frames += frames;
     }
-#undef FRAME_RUN
     double allocs = (double)timed_frames * n, per = 0;
     for (uint32_t t = 0; t < W; t++) per += (double)(x[t].ns + advance_ns) / allocs;
     if (good && timed_frames) {
@@ -218,12 +258,13 @@ static void run_alloc(bench_state *st, const void *varg) {
     } else {
         bench_skip_with_error(st, "a submit or wait failed");
     }
-    if (a->w != ARENA) /* from the main thread: remote frees for tcache, untimed */
+    if (a->w == TCACHE || a->w == PROCESS) /* from the main thread: remote frees, untimed */
         for (size_t i = 0; i < (size_t)W * 2 * n; i++)
             a->w == TCACHE ? sp_tcache_free(slots[i]) : free(slots[i]);
     sp_counter_destroy(c);
     sp_jobs_destroy(s);
     sp_frame_arena_destroy(arena);
+    region_put(&own_mem);
     region_put(&mem);
 }
 
@@ -354,17 +395,17 @@ int main(int argc, char **argv) {
     }
     if (!process_malloc_verify()) return 1;
     static const uint32_t frame_n[2] = {1024, 4096};
-    static bench_arg args[2][3][MAX_WORKERS], resets[3], tidies[2][2];
-    static char names[2][3][MAX_WORKERS][64], reset_names[3][64], tidy_names[2][2][64];
+    static bench_arg args[2][4][MAX_WORKERS], resets[3], tidies[2][2];
+    static char names[2][4][MAX_WORKERS][64], reset_names[3][64], tidy_names[2][2][64];
 #if defined(BENCH_PEER_GLIBC)
-    int first = ARENA;
+    int first = ARENA, last = BUMP;
 #else
-    int first = PROCESS; /* peer binaries: the peer only */
+    int first = PROCESS, last = PROCESS; /* peer binaries: the peer only */
 #endif
-    static const char *who_name[] = {"arena", "tcache", PEER_NAME};
+    static const char *who_name[] = {"arena", "tcache", PEER_NAME, "bump"};
     for (int f = 0; f < 2; f++)
         for (uint32_t w = 1; w <= MAX_WORKERS; w++)
-            for (int k = first; k <= PROCESS; k++) {
+            for (int k = first; k <= last; k++) {
                 bench_arg *arg = &args[f][k][w - 1];
                 *arg = (bench_arg){
                     .w = (who)k, .workers = w, .n = cfg.smoke ? frame_n[f] / 4 : frame_n[f]};
