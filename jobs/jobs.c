@@ -437,17 +437,25 @@ sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc) {
         char name[16];
         snprintf(name, sizeof name, "spindle-w%u", i);
         /* pin_workers: the CPU is set when the thread is made, so the worker, its thread_start
-         * hook and what they touch first are on it from the start. A CPU the OS refuses now
-         * (the mask changed since sp_cpu_nth read it: logged by sp_thread_start_on) leaves
-         * that worker unpinned rather than failing create. */
+         * hook and what they touch first are on it from the start. A pinned start that fails
+         * (logged by sp_thread_start_on: a CPU the OS refuses now, the mask having changed
+         * since sp_cpu_nth read it, or any other reason) is tried again unpinned: a worker on
+         * any CPU rather than a failed create. */
         int cpu = d.pin_workers ? sp_cpu_nth(i) : SP_CPU_ANY;
         worker *wi = &s->workers[i];
-        r = cpu == SP_CPU_ANY ? SP_ERR_OS
-                              : sp_thread_start_on(&wi->thread, worker_thread, wi, name, cpu);
-        if (r == SP_OK)
+        if (d.pin_workers && cpu == SP_CPU_ANY)
+            sp_log(SP_LOG_WARN, SP_ERR_OS, "sp_jobs_create", s,
+                   "the CPU mask cannot be read: worker %u starts unpinned", i);
+        if (cpu != SP_CPU_ANY &&
+            sp_thread_start_on(&wi->thread, worker_thread, wi, name, cpu) == SP_OK) {
             s->workers_pinned++;
-        else
+            r = SP_OK;
+        } else {
             r = sp_thread_start(&wi->thread, worker_thread, wi, name);
+            if (r == SP_OK && cpu != SP_CPU_ANY)
+                sp_log(SP_LOG_INFO, SP_OK, "sp_jobs_create", s,
+                       "worker %u started unpinned (its start on CPU %d failed)", i, cpu);
+        }
         if (r != SP_OK) { /* shutdown stops the ones that started */
             sp_jobs_shutdown(s);
             sp_fiber_thread_leave(main->thread_fiber);

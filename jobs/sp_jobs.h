@@ -134,9 +134,11 @@ typedef struct sp_jobs_desc {
                              < CPUs (with as many workers as CPUs, the default, the last
                              shares it). The main thread is not pinned: to keep it there, pin
                              it after create (sp_thread_pin(sp_thread_self(), sp_cpu_nth(0))),
-                             not before, which would leave every worker that one CPU. A CPU
-                             the OS refuses is logged (warning) and that worker runs
-                             unpinned: sp_jobs_status.workers_pinned counts those pinned */
+                             not before, which would leave every worker that one CPU. A pinned
+                             start that fails (a CPU the OS refuses, or the mask unreadable) is
+                             logged (warning) and the worker started unpinned; if that fails
+                             too, create fails. sp_jobs_status.workers_pinned counts the
+                             pinned */
     uint32_t fibers;      /* fibers made at create (default 128) */
     uint32_t fibers_max;  /* the pool doubles on demand up to this (default 32 * fibers; set it
                              to fibers for a fixed pool): bounds the jobs parked at once */

@@ -496,18 +496,27 @@ static sp_result thread_start_on(sp_thread *out, sp_thread_fn fn, void *arg, con
      * pin after the start would leave its first steps, and whatever it touches then, on any
      * CPU). */
     pthread_attr_t attr;
+    const char *what = "pthread_attr_init";
     int err = pthread_attr_init(&attr);
-    if (!err && mask) err = pthread_attr_setaffinity_np(&attr, bytes, mask);
     pthread_t t;
-    if (!err) err = pthread_create(&t, &attr, thread_main, st);
-    pthread_attr_destroy(&attr);
+    if (!err) {
+        if (mask) {
+            what = "pthread_attr_setaffinity_np";
+            err = pthread_attr_setaffinity_np(&attr, bytes, mask);
+        }
+        if (!err) {
+            what = "pthread_create";
+            err = pthread_create(&t, &attr, thread_main, st);
+        }
+        pthread_attr_destroy(&attr);
+    }
     CPU_FREE(mask);
     if (SP_UNLIKELY(err != 0)) {
         free(st);
-        if (!mask) return os_fail(call, NULL, "pthread_create", 0, err);
-        char what[48];
-        snprintf(what, sizeof what, "pthread_create on CPU %d", cpu);
-        return os_fail(call, NULL, what, 0, err);
+        if (cpu == SP_CPU_ANY) return os_fail(call, NULL, what, 0, err);
+        char on[64];
+        snprintf(on, sizeof on, "%s (CPU %d)", what, cpu);
+        return os_fail(call, NULL, on, 0, err);
     }
     out->os = (uintptr_t)t;
     return SP_OK;
@@ -535,6 +544,7 @@ void *sp_thread_join(sp_thread t) {
 }
 
 sp_result sp_thread_pin(sp_thread t, int cpu) {
+    if (cpu == SP_CPU_ANY) return SP_OK; /* as sp_thread_start_on: no CPU in particular */
     size_t bytes = 0;
     cpu_set_t *set = NULL;
     sp_result r = cpu_mask_one(cpu, &set, &bytes, "sp_thread_pin", (const void *)t.os);

@@ -128,11 +128,11 @@ typedef void *(*sp_thread_fn)(void *arg);
  * (SP_ERR_INVALID_ARG). */
 sp_result sp_thread_start(sp_thread *out, sp_thread_fn fn, void *arg, const char *name);
 
-/* As sp_thread_start, the thread restricted to CPU `cpu` from its first instruction (its
- * affinity set in the creation attributes); SP_CPU_ANY: no restriction. A CPU the OS refuses
- * (outside the process's cpuset, not online) fails the start: SP_ERR_OS (logged), no thread
- * started. Any other negative cpu, or one at SP_CPU_MAX or above, is misuse
- * (SP_ERR_INVALID_ARG). */
+/* As sp_thread_start (joined with sp_thread_join), the thread restricted to CPU `cpu` from
+ * its first instruction (its affinity set in the creation attributes); SP_CPU_ANY: the
+ * creating thread's mask, as sp_thread_start. A CPU the OS refuses (outside the process's
+ * cpuset, not online) fails the start: SP_ERR_OS (logged), no thread started. Any other
+ * negative cpu, or one at SP_CPU_MAX or above, is misuse (SP_ERR_INVALID_ARG). */
 sp_result sp_thread_start_on(sp_thread *out, sp_thread_fn fn, void *arg, const char *name, int cpu);
 
 /* Wait for a thread started by sp_thread_start; returns what its function returned (NULL,
@@ -140,14 +140,16 @@ sp_result sp_thread_start_on(sp_thread *out, sp_thread_fn fn, void *arg, const c
  * that sp_thread_start did not fill, is undefined (as for pthread_join). */
 void *sp_thread_join(sp_thread t);
 
-/* The calling thread, as an sp_thread (for sp_thread_pin; not to be joined). */
+/* The calling thread, as an sp_thread (for sp_thread_pin; never to be joined). */
 sp_thread sp_thread_self(void);
 
-/* Restrict a running thread t (started by sp_thread_start*, or sp_thread_self) to CPU `cpu`
- * (pthread_setaffinity_np; any thread may call it, one system call; undo by setting the old
- * mask with sched_setaffinity). The calling thread moves before this returns. SP_ERR_OS
- * (logged) when the OS refuses, e.g. a CPU outside the process's cpuset or not online; a
- * negative cpu, or one at SP_CPU_MAX or above, is misuse (SP_ERR_INVALID_ARG). */
+/* Restrict a running thread t (from sp_thread_start, sp_thread_start_on or sp_thread_self) to
+ * CPU `cpu` (pthread_setaffinity_np: any thread may call it, one system call; a thread undoes
+ * it for itself by setting its old mask back with sched_setaffinity). The calling thread moves
+ * before this returns. SP_CPU_ANY (what sp_cpu_nth returns when the mask cannot be read)
+ * changes nothing: SP_OK. SP_ERR_OS (logged) when the OS refuses, e.g. a CPU outside the
+ * process's cpuset or not online; any other negative cpu, or one at SP_CPU_MAX or above, is
+ * misuse (SP_ERR_INVALID_ARG). */
 sp_result sp_thread_pin(sp_thread t, int cpu);
 
 /* Name the calling thread (as seen by debuggers, top, perf). */

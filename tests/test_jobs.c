@@ -1166,57 +1166,69 @@ static void test_chain(const jt_config *c, bool grow) {
 
 enum { PIN_WORKERS = 3 };
 
-/* Where a job pinned to worker k ran: its CPU and the thread's affinity mask. */
+/* A thread's CPU and affinity mask. */
 typedef struct cpu_rec {
     int cpu, count;
     cpu_set_t mask;
 } cpu_rec;
 
-static void cpu_fn(void *arg) {
-    cpu_rec *r = arg;
+static void cpu_read(cpu_rec *r) {
     CPU_ZERO(&r->mask);
     r->count = sched_getaffinity(0, sizeof r->mask, &r->mask) == 0 ? CPU_COUNT(&r->mask) : -1;
     r->cpu = sched_getcpu();
 }
 
-/* One scheduler of PIN_WORKERS workers (pin: pin_workers) made by the calling thread, a job
- * pinned to each worker and to the calling thread; recs[k] where worker k's ran. */
+static void cpu_fn(void *arg) {
+    cpu_read(arg);
+}
+
+/* One scheduler of PIN_WORKERS workers (pin_workers: pin), made on a thread of its own whose
+ * mask is `creator` (so the test's main thread keeps its mask whatever happens): where each
+ * worker's thread_start hook ran (hooked[k]), and a job pinned to each worker and to the
+ * creating thread (recs[k]). */
 typedef struct pin_run {
     bool pin, ran;
     uint32_t pinned;
-    cpu_rec recs[PIN_WORKERS + 1];
-    cpu_set_t creator; /* pin_thread: the creating thread's mask */
+    cpu_set_t creator;
+    cpu_rec hooked[PIN_WORKERS + 1], recs[PIN_WORKERS + 1];
 } pin_run;
 
-static pin_run *run_pinned(pin_run *p) {
-    p->ran = false;
+static void pin_hook(void *user, uint32_t worker) {
+    pin_run *p = user;
+    if (worker <= PIN_WORKERS) cpu_read(&p->hooked[worker]);
+}
+
+static void *pin_thread(void *arg) {
+    pin_run *p = arg;
     sp_jobs *s = NULL;
-    if (sp_jobs_create(&s, &(sp_jobs_desc){.workers = PIN_WORKERS, .pin_workers = p->pin}) != SP_OK)
-        return p;
+    sp_jobs_desc d = {.workers = PIN_WORKERS,
+                      .pin_workers = p->pin,
+                      .hooks = {.user = p, .thread_start = pin_hook}};
+    if (sched_setaffinity(0, sizeof p->creator, &p->creator) != 0 ||
+        sp_jobs_create(&s, &d) != SP_OK)
+        return NULL;
     sp_jobs_status st;
     sp_jobs_status_get(s, &st);
     p->pinned = st.workers_pinned;
     sp_counter *c = sp_counter_create(s, "cpus");
-    sp_job_desc d[PIN_WORKERS + 1];
+    sp_job_desc jobs[PIN_WORKERS + 1];
     for (uint32_t k = 0; k <= PIN_WORKERS; k++) {
-        p->recs[k] = (cpu_rec){.cpu = -1, .count = -1};
-        d[k] = jt_job(cpu_fn, &p->recs[k], "cpu");
-        d[k].pinned = true;
-        d[k].worker = k;
+        jobs[k] = jt_job(cpu_fn, &p->recs[k], "cpu");
+        jobs[k].pinned = true;
+        jobs[k].worker = k;
     }
     p->ran =
-        c && sp_jobs_submit(s, d, PIN_WORKERS + 1, c) == SP_OK && sp_counter_wait(c, 0) == SP_OK;
+        c && sp_jobs_submit(s, jobs, PIN_WORKERS + 1, c) == SP_OK && sp_counter_wait(c, 0) == SP_OK;
     sp_counter_destroy(c);
     sp_jobs_destroy(s);
-    return p;
+    return NULL;
 }
 
-/* run_pinned on a thread of its own restricted to p->creator first: the test's main thread
- * keeps its mask whatever happens. */
-static void *pin_thread(void *arg) {
-    pin_run *p = arg;
-    p->ran = false;
-    return sched_setaffinity(0, sizeof p->creator, &p->creator) == 0 ? run_pinned(p) : p;
+static void run_pinned(pin_run *p) {
+    for (uint32_t k = 0; k <= PIN_WORKERS; k++)
+        p->hooked[k] = p->recs[k] = (cpu_rec){.cpu = -1, .count = -1};
+    pthread_t t;
+    if (pthread_create(&t, NULL, pin_thread, p) == 0) pthread_join(t, NULL);
 }
 
 /* Linked with -Wl,--wrap=pthread_attr_setaffinity_np (tests/meson.build): while refuse_cpu
@@ -1228,9 +1240,10 @@ int __wrap_pthread_attr_setaffinity_np(pthread_attr_t *a, size_t bytes, const cp
     return atomic_load(&refuse_cpu) ? EINVAL : __real_pthread_attr_setaffinity_np(a, bytes, set);
 }
 
-/* Worker k runs on sp_cpu_nth(k) only and the creating thread stays as it was; without the
- * flag nothing is pinned; a creating thread restricted to one CPU puts every worker there; a
- * CPU the OS refuses leaves the worker unpinned, logged, and create succeeds. */
+/* Worker k runs only on sp_cpu_nth(k), its thread_start hook included, and the creating thread
+ * stays as it was; without the flag nothing is pinned; a creating thread restricted to one CPU
+ * puts every worker there; a CPU the OS refuses leaves the worker unpinned, logged, and create
+ * succeeds. */
 static void test_pin_workers(void) {
     cpu_set_t all;
     CPU_ZERO(&all);
@@ -1239,22 +1252,25 @@ static void test_pin_workers(void) {
         return;
     }
     int n = CPU_COUNT(&all);
-    pin_run p = {.pin = true};
+    pin_run p = {.pin = true, .creator = all};
     run_pinned(&p);
     bool right = true;
     for (uint32_t k = 1; k <= PIN_WORKERS; k++) {
         int want = sp_cpu_nth(k);
-        cpu_rec *r = &p.recs[k];
-        right &= r->count == 1 && CPU_ISSET(want, &r->mask) && r->cpu == want;
-        if (r->count != 1 || r->cpu != want)
-            diag("  worker %u: %d CPUs in its mask, ran on %d, want %d", k, r->count, r->cpu, want);
+        for (int i = 0; i < 2; i++) {
+            cpu_rec *r = i ? &p.recs[k] : &p.hooked[k];
+            right &= r->count == 1 && CPU_ISSET(want, &r->mask) && r->cpu == want;
+            if (r->count != 1 || r->cpu != want)
+                diag("  worker %u (%s): %d CPUs in its mask, ran on %d, want %d", k,
+                     i ? "job" : "thread_start hook", r->count, r->cpu, want);
+        }
     }
     ok(p.ran && p.pinned == PIN_WORKERS && right && CPU_EQUAL(&p.recs[0].mask, &all),
-       "pin_workers: worker k runs only on sp_cpu_nth(k) (%u workers, %d CPUs), all counted "
-       "pinned; the creating thread's mask is left as it was",
+       "pin_workers: worker k runs only on sp_cpu_nth(k), from its thread_start hook on (%u "
+       "workers, %d CPUs), all counted pinned; the creating thread's mask is left as it was",
        PIN_WORKERS, n);
 
-    p = (pin_run){.pin = false};
+    p = (pin_run){.pin = false, .creator = all};
     run_pinned(&p);
     bool free_all = p.ran;
     for (uint32_t k = 0; k <= PIN_WORKERS; k++) free_all &= CPU_EQUAL(&p.recs[k].mask, &all);
@@ -1264,16 +1280,15 @@ static void test_pin_workers(void) {
     p = (pin_run){.pin = true};
     CPU_ZERO(&p.creator);
     CPU_SET(last, &p.creator);
-    pthread_t t;
-    bool there =
-        pthread_create(&t, NULL, pin_thread, &p) == 0 && pthread_join(t, NULL) == 0 && p.ran;
+    run_pinned(&p);
+    bool there = p.ran;
     for (uint32_t k = 0; k <= PIN_WORKERS; k++) there &= CPU_EQUAL(&p.recs[k].mask, &p.creator);
     ok(there && p.pinned == PIN_WORKERS,
        "pin_workers from a thread allowed on CPU %d only: every worker pinned there", last);
 
     jt_log_reset();
     atomic_store(&refuse_cpu, 1);
-    p = (pin_run){.pin = true};
+    p = (pin_run){.pin = true, .creator = all};
     run_pinned(&p);
     atomic_store(&refuse_cpu, 0);
     bool unpinned = p.ran;
@@ -1284,6 +1299,10 @@ static void test_pin_workers(void) {
        "%u pinned), one warning each (%d)",
        p.pinned, warned);
     jt_log_reset();
+    cpu_set_t now;
+    CPU_ZERO(&now);
+    if (sched_getaffinity(0, sizeof now, &now) != 0 || !CPU_EQUAL(&now, &all))
+        diag("  the test's main thread's mask changed");
 }
 
 int main(void) {

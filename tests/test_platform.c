@@ -405,7 +405,8 @@ static sp_result probe(cpu_probe *p, int cpu) {
 }
 
 /* sp_cpu_nth against the mask read by hand; threads started on a CPU, or pinned to one, run
- * there only (each test on threads of its own: this one's mask never changes); the refusals. */
+ * there only (on threads of their own); the refusals, on this thread (the calls that must
+ * fail, and SP_CPU_ANY, which changes nothing: its mask is checked after them). */
 static void test_cpu_pin(void) {
     cpu_set_t all;
     CPU_ZERO(&all);
@@ -440,22 +441,26 @@ static void test_cpu_pin(void) {
     ts_log_capture();
     int logged = ts_logged.count;
     sp_thread t;
-    bool bad = sp_thread_pin(sp_thread_self(), -1) == SP_ERR_INVALID_ARG &&
+    bool bad = sp_thread_pin(sp_thread_self(), -5) == SP_ERR_INVALID_ARG &&
+               sp_thread_pin(sp_thread_self(), SP_CPU_MAX) == SP_ERR_INVALID_ARG &&
                sp_thread_start_on(&t, cpu_probe_run, &on, "x", -5) == SP_ERR_INVALID_ARG &&
                sp_thread_start_on(&t, cpu_probe_run, &on, "x", SP_CPU_MAX) == SP_ERR_INVALID_ARG;
-    ok(bad && ts_logged.count == logged + 3 && ts_logged.last_id == SP_ERR_INVALID_ARG,
-       "sp_thread_pin to CPU -1, sp_thread_start_on to -5 or SP_CPU_MAX: SP_ERR_INVALID_ARG, "
-       "each reported");
+    bool any_ok = sp_thread_pin(sp_thread_self(), SP_CPU_ANY) == SP_OK;
+    ok(bad && any_ok && ts_logged.count == logged + 4 && ts_logged.last_id == SP_ERR_INVALID_ARG,
+       "sp_thread_pin and sp_thread_start_on to CPU -5 or SP_CPU_MAX: SP_ERR_INVALID_ARG, each "
+       "reported; sp_thread_pin to SP_CPU_ANY: SP_OK, nothing reported");
     logged = ts_logged.count;
     cpu_set_t now;
     CPU_ZERO(&now);
     r = sp_thread_pin(sp_thread_self(), SP_CPU_MAX - 1); /* no machine here has it */
     ok(r == SP_ERR_OS && ts_logged.count == logged + 1 && ts_logged.last_id == SP_ERR_OS &&
            sched_getaffinity(0, sizeof now, &now) == 0 && CPU_EQUAL(&now, &all),
-       "sp_thread_pin to a CPU the machine lacks: SP_ERR_OS, logged, the mask unchanged");
+       "sp_thread_pin to a CPU the machine lacks: SP_ERR_OS, logged; this thread's mask "
+       "unchanged by it and the calls above");
     logged = ts_logged.count;
     on = (cpu_probe){.pin_to = -1, .cpu = -2};
     r = sp_thread_start_on(&t, cpu_probe_run, &on, "x", SP_CPU_MAX - 1);
+    if (r == SP_OK) sp_thread_join(t); /* it should not have started */
     ok(r == SP_ERR_OS && ts_logged.count == logged + 1 && ts_logged.last_id == SP_ERR_OS &&
            on.cpu == -2,
        "sp_thread_start_on a CPU the machine lacks: SP_ERR_OS, logged, no thread started");
