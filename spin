@@ -296,6 +296,21 @@ test_step() {
     record "$name" "$rc" "$dir/meson-logs/$logbase.json"
 }
 
+# hugetlb_step DIR: the platform test once more with a pool of explicit huge pages, whose
+# decommit case (a bug of 2026-11-22) skips without one, and no machine has one by default.
+# Only where the pool can be sized (root, a writable /proc/sys); the old size is put back.
+hugetlb_step() {
+    local pool=/proc/sys/vm/nr_hugepages old
+    old=$(cat "$pool" 2>/dev/null) || old=
+    if [[ ! $old =~ ^[0-9]+$ ]] || ! { echo $((old < 8 ? 8 : old)) >"$pool"; } 2>/dev/null ||
+        (($(cat "$pool") == 0)); then
+        say "spin: no hugetlb pool could be set up ($pool): the hugetlb case stays skipped"
+        return 0
+    fi
+    test_step release-hugetlb "$1" testlog-hugetlb platform
+    echo "$old" >"$pool" 2>/dev/null || say "spin: $pool could not be put back to $old"
+}
+
 # Whether DIR has any benchmark() registered.
 has_benchmarks() {
     local json
@@ -356,6 +371,7 @@ cmd_test() {
     heading "release: gcc -O3, SP_DEBUG=0 -> suites unit, soak, benchmark smoke"
     if build_step release build-release RELEASE_ENV RELEASE_OPTS; then
         test_step release-tests build-release testlog --suite unit --suite soak
+        [[ -n ${CI:-} ]] && hugetlb_step build-release
         if has_benchmarks build-release; then
             test_step release-bench-smoke build-release benchlog --benchmark
         else
