@@ -308,7 +308,7 @@ hugetlb_step() {
         return 0
     fi
     test_step release-hugetlb "$1" testlog-hugetlb platform
-    echo "$old" >"$pool" 2>/dev/null || say "spin: $pool could not be put back to $old"
+    { echo "$old" >"$pool"; } 2>/dev/null || say "spin: $pool could not be put back to $old"
 }
 
 # Whether DIR has any benchmark() registered.
