@@ -296,9 +296,10 @@ test_step() {
     record "$name" "$rc" "$dir/meson-logs/$logbase.json"
 }
 
-# hugetlb_step DIR: the platform test once more with a pool of explicit huge pages, whose
-# decommit case (a bug of 2026-11-22) skips without one, and no machine has one by default.
-# Only where the pool can be sized (root, a writable /proc/sys); the old size is put back.
+# hugetlb_step DIR: the platform test once more with a pool of (up to 8) explicit huge pages,
+# whose decommit case (a bug of 2026-11-23, 3d71943) skips without one, and no machine has one
+# by default. Only where the pool can be sized (root, a writable /proc/sys); the old size is put
+# back, also when the run is stopped during the step (an EXIT trap).
 hugetlb_step() {
     local pool=/proc/sys/vm/nr_hugepages old
     old=$(cat "$pool" 2>/dev/null) || old=
@@ -307,8 +308,11 @@ hugetlb_step() {
         say "spin: no hugetlb pool could be set up ($pool): the hugetlb case stays skipped"
         return 0
     fi
+    # shellcheck disable=SC2064 # expanded now: old is a number, pool a fixed path
+    trap "{ echo $old >$pool; } 2>/dev/null" EXIT
     test_step release-hugetlb "$1" testlog-hugetlb platform
     { echo "$old" >"$pool"; } 2>/dev/null || say "spin: $pool could not be put back to $old"
+    trap - EXIT
 }
 
 # Whether DIR has any benchmark() registered.
