@@ -256,14 +256,8 @@ static __attribute__((noinline)) void server_process(int t, size_t n) {
  * Returns the old mask to restore. */
 static bool pin_thread(int t, cpu_set_t *old) {
     if (pthread_getaffinity_np(pthread_self(), sizeof *old, old) != 0) return false;
-    int cpus = CPU_COUNT(old), k = t % (cpus > 0 ? cpus : 1), cpu = -1;
-    for (int i = 0; i < CPU_SETSIZE && k >= 0; i++)
-        if (CPU_ISSET(i, old) && k-- == 0) cpu = i;
-    if (cpu < 0) return false;
-    cpu_set_t one;
-    CPU_ZERO(&one);
-    CPU_SET(cpu, &one);
-    return pthread_setaffinity_np(pthread_self(), sizeof one, &one) == 0;
+    int cpu = sp_cpu_nth((uint32_t)t);
+    return cpu != SP_CPU_ANY && sp_thread_pin(sp_thread_self(), cpu) == SP_OK;
 }
 
 /* Before the peak is reset, each thread allocates one block of every 16-byte size step the case
