@@ -446,13 +446,12 @@ sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc) {
         if (d.pin_workers && cpu == SP_CPU_ANY)
             sp_log(SP_LOG_WARN, SP_ERR_OS, "sp_jobs_create", s,
                    "the CPU mask cannot be read: worker %u starts unpinned", i);
-        if (cpu != SP_CPU_ANY &&
-            sp_thread_start_on(&wi->thread, worker_thread, wi, name, cpu) == SP_OK) {
-            s->workers_pinned++;
-            r = SP_OK;
-        } else {
+        r = sp_thread_start_on(&wi->thread, worker_thread, wi, name, cpu);
+        if (r == SP_OK) {
+            s->workers_pinned += cpu != SP_CPU_ANY;
+        } else if (cpu != SP_CPU_ANY) {
             r = sp_thread_start(&wi->thread, worker_thread, wi, name);
-            if (r == SP_OK && cpu != SP_CPU_ANY)
+            if (r == SP_OK)
                 sp_log(SP_LOG_INFO, SP_OK, "sp_jobs_create", s,
                        "worker %u started unpinned (its start on CPU %d failed)", i, cpu);
         }

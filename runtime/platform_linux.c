@@ -474,6 +474,14 @@ static sp_result cpu_mask_one(int cpu, cpu_set_t **out, size_t *bytes, const cha
     return SP_OK;
 }
 
+/* os_fail for `what` done for CPU cpu (SP_CPU_ANY: none named). */
+static sp_result cpu_fail(const char *call, const void *addr, const char *what, int cpu, int err) {
+    if (cpu == SP_CPU_ANY) return os_fail(call, addr, what, 0, err);
+    char on[64];
+    snprintf(on, sizeof on, "%s (CPU %d)", what, cpu);
+    return os_fail(call, addr, on, 0, err);
+}
+
 static sp_result thread_start_on(sp_thread *out, sp_thread_fn fn, void *arg, const char *name,
                                  int cpu, const char *call) {
     if (SP_UNLIKELY(!out || !fn))
@@ -513,10 +521,7 @@ static sp_result thread_start_on(sp_thread *out, sp_thread_fn fn, void *arg, con
     CPU_FREE(mask);
     if (SP_UNLIKELY(err != 0)) {
         free(st);
-        if (cpu == SP_CPU_ANY) return os_fail(call, NULL, what, 0, err);
-        char on[64];
-        snprintf(on, sizeof on, "%s (CPU %d)", what, cpu);
-        return os_fail(call, NULL, on, 0, err);
+        return cpu_fail(call, NULL, what, cpu, err);
     }
     out->os = (uintptr_t)t;
     return SP_OK;
@@ -551,12 +556,9 @@ sp_result sp_thread_pin(sp_thread t, int cpu) {
     if (SP_UNLIKELY(r != SP_OK)) return r;
     int err = pthread_setaffinity_np((pthread_t)t.os, bytes, set);
     CPU_FREE(set);
-    if (SP_UNLIKELY(err != 0)) {
-        char what[48];
-        snprintf(what, sizeof what, "pthread_setaffinity_np to CPU %d", cpu);
-        return os_fail("sp_thread_pin", (const void *)t.os, what, 0, err);
-    }
-    return SP_OK;
+    return SP_UNLIKELY(err != 0)
+               ? cpu_fail("sp_thread_pin", (const void *)t.os, "pthread_setaffinity_np", cpu, err)
+               : SP_OK;
 }
 
 sp_thread sp_thread_self(void) {
