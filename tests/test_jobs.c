@@ -1166,20 +1166,8 @@ static void test_chain(const jt_config *c, bool grow) {
 
 enum { PIN_WORKERS = 3 };
 
-/* A thread's CPU and affinity mask. */
-typedef struct cpu_rec {
-    int cpu, count;
-    cpu_set_t mask;
-} cpu_rec;
-
-static void cpu_read(cpu_rec *r) {
-    CPU_ZERO(&r->mask);
-    r->count = sched_getaffinity(0, sizeof r->mask, &r->mask) == 0 ? CPU_COUNT(&r->mask) : -1;
-    r->cpu = sched_getcpu();
-}
-
 static void cpu_fn(void *arg) {
-    cpu_read(arg);
+    ts_cpu_read(arg);
 }
 
 /* One scheduler of PIN_WORKERS workers (pin_workers: pin), made on a thread of its own whose
@@ -1190,12 +1178,12 @@ typedef struct pin_run {
     bool pin, ran;
     uint32_t pinned;
     cpu_set_t creator;
-    cpu_rec hooked[PIN_WORKERS + 1], recs[PIN_WORKERS + 1];
+    ts_cpu hooked[PIN_WORKERS + 1], recs[PIN_WORKERS + 1];
 } pin_run;
 
 static void pin_hook(void *user, uint32_t worker) {
     pin_run *p = user;
-    if (worker <= PIN_WORKERS) cpu_read(&p->hooked[worker]);
+    if (worker <= PIN_WORKERS) ts_cpu_read(&p->hooked[worker]);
 }
 
 static void *pin_thread(void *arg) {
@@ -1226,7 +1214,7 @@ static void *pin_thread(void *arg) {
 
 static void run_pinned(pin_run *p) {
     for (uint32_t k = 0; k <= PIN_WORKERS; k++)
-        p->hooked[k] = p->recs[k] = (cpu_rec){.cpu = -1, .count = -1};
+        p->hooked[k] = p->recs[k] = (ts_cpu){.cpu = -1, .count = -1};
     pthread_t t;
     if (pthread_create(&t, NULL, pin_thread, p) == 0) pthread_join(t, NULL);
 }
@@ -1258,7 +1246,7 @@ static void test_pin_workers(void) {
     for (uint32_t k = 1; k <= PIN_WORKERS; k++) {
         int want = sp_cpu_nth(k);
         for (int i = 0; i < 2; i++) {
-            cpu_rec *r = i ? &p.recs[k] : &p.hooked[k];
+            ts_cpu *r = i ? &p.recs[k] : &p.hooked[k];
             right &= r->count == 1 && CPU_ISSET(want, &r->mask) && r->cpu == want;
             if (r->count != 1 || r->cpu != want)
                 diag("  worker %u (%s): %d CPUs in its mask, ran on %d, want %d", k,

@@ -117,9 +117,6 @@ static void *other_thread(void *arg) {
     return NULL;
 }
 
-/* A misuse report from jobs on the smallest fiber stack, with the default (stderr) logger: the
- * library's own path must fit (glibc's fprintf to stderr took 8 KiB of the stack, and an 8 KiB
- * stack, accepted then, overflowed into its guard page). */
 /* The report from `depth` frames of 1 KiB down: a job that has used some of its stack (with
  * the old fprintf logger, 6 KiB of it was enough to overflow 16 KiB). */
 static SP_NOINLINE void report_deep(int depth) {
@@ -137,6 +134,9 @@ static void null_add_job(void *arg) {
     report_deep(ts_sanitized() ? 0 : 6); /* sanitizers' frames are larger: no padding there */
 }
 
+/* A misuse report from jobs on the smallest fiber stack, with the default (stderr) logger: the
+ * library's own path must fit (glibc's fprintf to stderr took 8 KiB of the stack, and an 8 KiB
+ * stack, accepted then, overflowed into its guard page). */
 static void small_stack_child(void *arg) {
     (void)arg;
     sp_misuse_set_fatal(false);

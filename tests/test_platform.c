@@ -373,24 +373,17 @@ static void test_cpu_count(void) {
 /* Where a thread started: its CPU and mask at its first instruction; then (pin_to >= 0) the
  * same after it pinned itself with sp_thread_pin. */
 typedef struct cpu_probe {
-    int pin_to;
-    int cpu, count, pinned_cpu, pinned_count, nth5;
+    int pin_to, nth5;
     sp_result pin;
-    cpu_set_t mask, pinned_mask;
+    ts_cpu start, pinned;
 } cpu_probe;
 
 static void *cpu_probe_run(void *arg) {
     cpu_probe *p = arg;
-    CPU_ZERO(&p->mask);
-    p->count = sched_getaffinity(0, sizeof p->mask, &p->mask) == 0 ? CPU_COUNT(&p->mask) : -1;
-    p->cpu = sched_getcpu();
+    ts_cpu_read(&p->start);
     if (p->pin_to >= 0) {
         p->pin = sp_thread_pin(sp_thread_self(), p->pin_to);
-        CPU_ZERO(&p->pinned_mask);
-        p->pinned_count = sched_getaffinity(0, sizeof p->pinned_mask, &p->pinned_mask) == 0
-                              ? CPU_COUNT(&p->pinned_mask)
-                              : -1;
-        p->pinned_cpu = sched_getcpu();
+        ts_cpu_read(&p->pinned);
         p->nth5 = sp_cpu_nth(5);
     }
     return NULL;
@@ -424,16 +417,16 @@ static void test_cpu_pin(void) {
     int last = cpus[n - 1];
     cpu_probe on = {.pin_to = -1}, any = {.pin_to = -1};
     sp_result r = probe(&on, last), r_any = probe(&any, SP_CPU_ANY);
-    ok(r == SP_OK && on.count == 1 && CPU_ISSET(last, &on.mask) && on.cpu == last &&
-           r_any == SP_OK && CPU_EQUAL(&any.mask, &all),
+    ok(r == SP_OK && on.start.count == 1 && CPU_ISSET(last, &on.start.mask) &&
+           on.start.cpu == last && r_any == SP_OK && CPU_EQUAL(&any.start.mask, &all),
        "sp_thread_start_on(CPU %d): the thread runs there only from its start; SP_CPU_ANY: "
        "the creator's mask",
        last);
 
     cpu_probe self = {.pin_to = last};
     r = probe(&self, SP_CPU_ANY);
-    ok(r == SP_OK && self.pin == SP_OK && self.pinned_count == 1 &&
-           CPU_ISSET(last, &self.pinned_mask) && self.pinned_cpu == last && self.nth5 == last,
+    ok(r == SP_OK && self.pin == SP_OK && self.pinned.count == 1 &&
+           CPU_ISSET(last, &self.pinned.mask) && self.pinned.cpu == last && self.nth5 == last,
        "sp_thread_pin(sp_thread_self(), %d): the thread moves there before it returns, and "
        "sp_cpu_nth then sees one CPU",
        last);
@@ -458,11 +451,11 @@ static void test_cpu_pin(void) {
        "sp_thread_pin to a CPU the machine lacks: SP_ERR_OS, logged; this thread's mask "
        "unchanged by it and the calls above");
     logged = ts_logged.count;
-    on = (cpu_probe){.pin_to = -1, .cpu = -2};
+    on = (cpu_probe){.pin_to = -1, .start.cpu = -2};
     r = sp_thread_start_on(&t, cpu_probe_run, &on, "x", SP_CPU_MAX - 1);
     if (r == SP_OK) sp_thread_join(t); /* it should not have started */
     ok(r == SP_ERR_OS && ts_logged.count == logged + 1 && ts_logged.last_id == SP_ERR_OS &&
-           on.cpu == -2,
+           on.start.cpu == -2,
        "sp_thread_start_on a CPU the machine lacks: SP_ERR_OS, logged, no thread started");
     ts_log_release();
 }

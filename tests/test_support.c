@@ -382,3 +382,9 @@ int ts_fill_spans(size_t size, void **b, int max, int spans, int *first) {
     for (int i = begun; i <= spans; i++) first[i] = n; /* max ran out: the rest empty */
     return n;
 }
+
+void ts_cpu_read(ts_cpu *r) {
+    CPU_ZERO(&r->mask);
+    r->count = sched_getaffinity(0, sizeof r->mask, &r->mask) == 0 ? CPU_COUNT(&r->mask) : -1;
+    r->cpu = sched_getcpu();
+}

@@ -3,6 +3,7 @@
 #ifndef SP_TEST_SUPPORT_H
 #define SP_TEST_SUPPORT_H
 
+#include <sched.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -112,6 +113,14 @@ sp_desc ts_small_desc(uint32_t workers, size_t handle_mib);
  * from a fresh cache's empty spans or new ones). first[i] is the index of span i's first block,
  * first[spans] the number taken, which is returned (at most max). */
 int ts_fill_spans(size_t size, void **b, int max, int spans, int *first);
+
+/* Where the calling thread runs: its CPU (sched_getcpu) and affinity mask, count its CPUs
+ * (-1 when the mask does not fit a cpu_set_t). */
+typedef struct ts_cpu {
+    int cpu, count;
+    cpu_set_t mask;
+} ts_cpu;
+void ts_cpu_read(ts_cpu *r);
 
 /* Job migration harness: rounds of TS_PAIRS waiting jobs on scheduler s. Each round submits
  * waiter(ts_pair *) jobs, which do their work, sp_counter_wait(pair->go, 0) (the fiber parks and
