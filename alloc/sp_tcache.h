@@ -213,11 +213,11 @@ size_t sp_tcache_tidy(void);
  *                                                 sp_tcache_free. A block of
  *                                                 another thread's cache is not refused: it
  *                                                 is freed as sp_tcache_free would (remote)
- * Cost: alloc is a table lookup and a pop; free is the pointer checks and a push (bench
- * `tcache local`: bench/README.md has the ratios to the peers); the slow path (with
- * tidy_orphans, first a try at the orphans' walk: sp_tcache_desc) takes the span's inbox,
- * then (only while the class has at most 8 other spans) another span's free blocks if they
- * are half a page's worth, then a spare of the class; then, in order, the span's unused tail,
+ * Cost: alloc is a table lookup, a pop and an add (sp_tcache_allocated's count); free is the
+ * pointer checks and a push (bench `tcache local`: bench/README.md has the ratios to the peers);
+ * the slow path (with tidy_orphans, first a try at the orphans' walk: sp_tcache_desc) takes the
+ * span's inbox, then (only while the class has at most 8 other spans) another span's free blocks if
+ * they are half a page's worth, then a spare of the class; then, in order, the span's unused tail,
  * another span, a kept empty span, an orphan, a spare of another class or a new span from the
  * central heap (one lock); a span without free blocks cuts new ones, those that start in the
  * 4 KiB page holding its next uncut block.
@@ -263,6 +263,16 @@ void sp_tcache_status_get(sp_tcache_status *out);
  * included). Either pointer may be NULL. All zero before init. */
 void sp_tcache_heap_status(sp_tlsf_status *spans, sp_tlsf_status *large);
 
+/* Bytes asked for by the allocations the thread caches and the large heap served since
+ * sp_tcache_init, over all threads, detached ones included: alloc, calloc and aligned_alloc
+ * count their size, realloc its new size when it handed out another block (not when the block
+ * stayed where it was). A flow, not a level: frees take nothing off (sp_frame_stats takes its
+ * per-frame difference). Any thread; each running cache's count as its thread last stored it
+ * (exact for threads whose allocations happen-before the call, as a frame's jobs do before
+ * sp_frame_end's wait returns). Cost: O(attached caches), under the registry lock. 0 before
+ * init. */
+size_t sp_tcache_allocated(void);
+
 /* For the malloc drop-in (fork safety): take every global lock and every cache's own / release
  * them in the parent /
  * re-initialise them in the child. The child keeps only the forking thread's cache; spans of
@@ -300,6 +310,10 @@ typedef struct sp_tcache_span {
 } sp_tcache_span;
 
 typedef struct sp_tcache {
+    /* Bytes asked for by the allocations this cache served (sp_tcache_allocated): one add on
+     * the inline path. Written by its thread alone (the shared fallback's: under its lock),
+     * relaxed atomic stores; read by any thread. */
+    size_t allocated;
     /* cur[class_of[(size + 15) / 16]] for sizes up to SP_TCACHE_LOOKUP_MAX: the inline alloc
      * goes from size to span without the class table. */
     sp_tcache_span *direct[SP_TCACHE_LOOKUP_MAX / 16 + 1];
@@ -415,6 +429,7 @@ static inline __attribute__((always_inline)) void *sp_tcache_alloc(size_t size) 
         sp_tcache_block *b = sp_tcache_list_(h);
         if (__builtin_expect(b != NULL, 1)) {
             sp_tcache_pop_(s, h, b);
+            __atomic_store_n(&c->allocated, c->allocated + size, __ATOMIC_RELAXED);
             return b;
         }
     }

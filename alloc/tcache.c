@@ -485,6 +485,7 @@ static void registry_remove(cache *c) {
     c->registered = false;
     tc.retired_remote_frees += c->remote_frees;
     tc.retired_collected += c->remote_collected;
+    tc.retired_allocated += c->pub.allocated;
     sp_mutex_unlock(&tc.reg_lock);
 }
 
@@ -662,11 +663,16 @@ TRACK_INTERNAL static void *block_alloc(size_t size, size_t align) {
                 k++;
         if (k >= tc.class_count) k = SP_TCACHE_CLASSES;
     }
-    if (k == SP_TCACHE_CLASSES) return heap_alloc(&tc.large, align, size);
+    if (k == SP_TCACHE_CLASSES) {
+        void *p = heap_alloc(&tc.large, align, size);
+        if (p) atomic_fetch_add_explicit(&tc.large_allocated, size, memory_order_relaxed);
+        return p;
+    }
     bool locked;
     cache *c = cache_get(&locked);
     if (!c) return NULL;
     void *p = class_alloc(c, k);
+    if (p) __atomic_store_n(&c->pub.allocated, c->pub.allocated + size, __ATOMIC_RELAXED);
     cache_put(locked);
     return p;
 }
@@ -925,6 +931,7 @@ void *sp_tcache_realloc(void *p, size_t size) {
     if (!large && size <= usable && size >= usable / 2) return p;
     if (large && size > tc.max_class) {
         void *q = heap_realloc(&tc.large, p, size, "sp_tcache_realloc");
+        if (q != p && q) atomic_fetch_add_explicit(&tc.large_allocated, size, memory_order_relaxed);
         if (q) return q;
     }
     void *q = sp_tcache_alloc(size);

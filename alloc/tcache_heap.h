@@ -41,7 +41,8 @@ typedef struct tcache_state {
     cache *registry;
     size_t cache_count;
     bool attach_closed; /* new caches refused (tcache_attach_close: the runtime shuts down) */
-    size_t retired_remote_frees, retired_collected;
+    size_t retired_remote_frees, retired_collected, retired_allocated;
+    _Atomic size_t large_allocated; /* bytes asked for by large blocks (sp_tcache_allocated) */
     _Atomic size_t unattached_remote_frees, orphan_collected;
 
     sp_mutex orphan_lock;             /* orphans and spares */

@@ -99,6 +99,17 @@ void sp_tcache_status_get(sp_tcache_status *st) {
     st->fragmentation = st->large_heap.fragmentation;
 }
 
+size_t sp_tcache_allocated(void) {
+    if (!atomic_load_explicit(&tc.ready, memory_order_acquire)) return 0;
+    sp_mutex_lock(&tc.reg_lock);
+    size_t n = tc.retired_allocated;
+    for (cache *c = tc.registry; c; c = c->reg_next)
+        n += __atomic_load_n(&c->pub.allocated, __ATOMIC_RELAXED);
+    sp_mutex_unlock(&tc.reg_lock);
+    return n + __atomic_load_n(&tc.fallback.pub.allocated, __ATOMIC_RELAXED) +
+           atomic_load_explicit(&tc.large_allocated, memory_order_relaxed);
+}
+
 void sp_tcache_heap_status(sp_tlsf_status *spans, sp_tlsf_status *large) {
     bool ready = atomic_load_explicit(&tc.ready, memory_order_acquire);
     heap *from[2] = {&tc.spans, &tc.large};

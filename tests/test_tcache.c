@@ -756,6 +756,48 @@ static void test_heap_status(void) {
     is_int(l1.bytes_used, l0.bytes_used, "... the large block's bytes go back with it");
 }
 
+/* sp_tcache_allocated: the bytes asked for, whichever path served them, detached caches
+ * included; a realloc that keeps its block adds nothing. */
+static void *allocates_and_exits(void *arg) {
+    *(void **)arg = sp_tcache_alloc(300); /* the thread's cache retires with its count */
+    return NULL;
+}
+
+static void test_allocated(void) {
+    size_t a0 = sp_tcache_allocated();
+    void *p[6];
+    p[0] = sp_tcache_alloc(40);                        /* 40 */
+    p[1] = sp_tcache_alloc(40);                        /* 40: the inline path, surely */
+    p[2] = sp_tcache_aligned_alloc(256, 100);          /* 100 */
+    p[3] = sp_tcache_calloc(3, 50);                    /* 150 */
+    p[4] = sp_tcache_alloc((size_t)1 << 20);           /* 1 MiB: the large heap */
+    p[5] = sp_tcache_realloc(sp_tcache_alloc(60), 62); /* 60; 62 fits the 64-byte block */
+    size_t want = 40 + 40 + 100 + 150 + ((size_t)1 << 20) + 60;
+    size_t got = sp_tcache_allocated() - a0;
+    ok(got == want,
+       "allocated counts the sizes asked for: inline, aligned, calloc, large, a "
+       "realloc in place adds nothing (%zu, want %zu)",
+       got, want);
+    a0 = sp_tcache_allocated();
+    p[5] = sp_tcache_realloc(p[5], 5000); /* another class: moves, 5000 */
+    void *big = p[4];
+    p[4] = sp_tcache_realloc(p[4], (size_t)64 << 20); /* 64 MiB, if the block had to move */
+    void *q = NULL;
+    sp_thread t;
+    sp_thread_start(&t, allocates_and_exits, &q, "sp-allocated");
+    sp_thread_join(t);
+    want = 5000 + 300 + (p[4] != big ? (size_t)64 << 20 : 0);
+    got = sp_tcache_allocated() - a0;
+    ok(got == want,
+       "... a realloc that moves adds its new size (the large one %s), an exited thread's "
+       "cache keeps its count (%zu, want %zu)",
+       p[4] != big ? "moved" : "grew in place", got, want);
+    for (int i = 0; i < 6; i++) sp_tcache_free(p[i]);
+    sp_tcache_free(q);
+    got = sp_tcache_allocated() - a0;
+    ok(got == want, "... frees take nothing off (%zu)", got);
+}
+
 static void test_leak_check(void) {
     sp_tcache_thread_detach();
     sp_tcache_trim();
@@ -824,10 +866,13 @@ static void test_fallback_counted(void) {
     ts_log_capture(); /* the thread is told once that it uses the fallback cache */
     sp_tcache_status st0, st;
     sp_tcache_status_get(&st0);
+    size_t a0 = sp_tcache_allocated();
     sp_thread t;
     sp_thread_start(&t, fallback_allocates, NULL, "sp-fallback");
     sp_thread_join(t);
     sp_tcache_status_get(&st);
+    is_int(sp_tcache_allocated() - a0, FALLBACK_BLOCKS * 64,
+           "allocated counts what the fallback cache served");
     int got = 0, fallback = 0;
     for (int i = 0; i < FALLBACK_BLOCKS; i++) {
         got += fallback_block[i] != NULL;
@@ -852,7 +897,7 @@ static void test_fallback_counted(void) {
 }
 
 int main(void) {
-    plan(59);
+    plan(63);
     sp_tcache_desc desc = {.region_size = (size_t)1 << 30, .keep_detached = 2};
     ok(sp_tcache_init(&desc) == SP_OK, "init");
     test_classes();
@@ -873,14 +918,15 @@ int main(void) {
     test_orphans_wait();
     test_shutdown_refused();
     test_heap_status();
+    test_allocated();
     test_fork_locks();
     test_leak_check();
     sp_tlsf_status none[2];
     memset(none, 0xAB, sizeof none);
     sp_tcache_heap_status(&none[0], &none[1]);
     ok(none[0].bytes_used == 0 && none[0].pool_count == 0 && none[1].bytes_used == 0 &&
-           none[1].high_water == 0,
-       "heap_status after shutdown: all zero");
+           none[1].high_water == 0 && sp_tcache_allocated() == 0,
+       "heap_status and allocated after shutdown: all zero");
     test_fallback_counted();
     /* Lazy initialisation with defaults, after a shutdown. */
     void *p = sp_tcache_alloc(10);

@@ -20,12 +20,14 @@ typedef struct world {
     atomic_int running; /* workers still running */
     int status_reads;
     int iterations;
+    size_t allocated_seen; /* sp_tcache_allocated as the reader last saw it */
 } world;
 
 typedef struct worker {
     world *w;
     uint64_t seed;
     int detaches;
+    size_t asked; /* bytes of its allocations that succeeded */
 } worker;
 
 /* Block layout: 8 bytes of size, then bytes derived from the size and the address. */
@@ -57,6 +59,7 @@ static void *worker_run(void *arg) {
             atomic_fetch_add(&w->bad, 1);
             continue;
         }
+        me->asked += n;
         fill(p, n);
         unsigned char *old = atomic_exchange(&w->slot[ts_rng_range(&r, 0, SLOTS - 1)], p);
         if (old) {
@@ -78,6 +81,7 @@ static void *status_reader(void *arg) {
     while (atomic_load(&w->running) > 0) {
         sp_tcache_status st;
         sp_tcache_status_get(&st);
+        w->allocated_seen = sp_tcache_allocated(); /* the running caches' counts, relaxed */
         w->status_reads++;
         sp_thread_yield();
     }
@@ -91,9 +95,11 @@ static void sweep(int threads, int iterations) {
     worker wk[MAX_THREADS];
     sp_thread t[MAX_THREADS];
     int started = 0;
+    size_t allocated0 = sp_tcache_allocated();
+    w.allocated_seen = allocated0;
     atomic_store(&w.running, threads);
     for (int i = 0; i < threads; i++) {
-        wk[i] = (worker){&w, 0x1234u + (uint64_t)i * 77 + (uint64_t)threads, 0};
+        wk[i] = (worker){&w, 0x1234u + (uint64_t)i * 77 + (uint64_t)threads, 0, 0};
         if (sp_thread_start(&t[i], worker_run, &wk[i], "sp-stress") == SP_OK) started++;
     }
     sp_thread reader;
@@ -102,7 +108,12 @@ static void sweep(int threads, int iterations) {
     atomic_store(&w.running, 0);
     if (reading) sp_thread_join(reader);
     int detaches = 0;
-    for (int i = 0; i < started; i++) detaches += wk[i].detaches;
+    size_t asked = 0;
+    for (int i = 0; i < started; i++) {
+        detaches += wk[i].detaches;
+        asked += wk[i].asked;
+    }
+    size_t allocated = sp_tcache_allocated() - allocated0;
     sp_tcache_status mid;
     sp_tcache_status_get(&mid);
     for (int i = 0; i < SLOTS; i++) {
@@ -113,6 +124,10 @@ static void sweep(int threads, int iterations) {
     ok(started == threads && atomic_load(&w.bad) == 0,
        "%d threads x %d blocks: every block intact when freed (%d bad), %d detaches mid-run",
        threads, iterations, atomic_load(&w.bad), detaches);
+    ok(allocated == asked && w.allocated_seen - allocated0 <= asked,
+       "%d threads: sp_tcache_allocated grew by the %zu bytes they asked for, detached caches "
+       "included (%zu; %zu seen while they ran)",
+       threads, asked, allocated, w.allocated_seen - allocated0);
     ok(threads == 1 || mid.remote_frees > 0,
        "%d threads: %zu remote frees, %zu orphaned spans, status read %d times meanwhile", threads,
        mid.remote_frees, mid.spans_orphaned, w.status_reads);
@@ -174,14 +189,15 @@ static void race_orphaning(int rounds) {
             sp_tcache_trim();
         }
     }
-    ok(left == 0, "%d frees racing their owner's exit: tidy returned every orphan they emptied "
-                  "(%d left)",
+    ok(left == 0,
+       "%d frees racing their owner's exit: tidy returned every orphan they emptied "
+       "(%d left)",
        rounds, left);
     sp_tcache_trim();
 }
 
 int main(void) {
-    plan(13);
+    plan(17);
     int iterations = (int)ts_scaled(200000, 8);
     const int counts[] = {1, 2, 4, 8};
     for (int i = 0; i < 4; i++) sweep(counts[i], iterations / counts[i]);
