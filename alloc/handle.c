@@ -209,6 +209,7 @@ TRACK_INTERNAL static sp_handle handle_alloc(sp_handle_heap *h, size_t size, siz
     c->user = user;
     c->align_log2 = (uint8_t)__builtin_ctzll(align);
     h->live_bytes += size;
+    h->allocated_total += size;
     h->need_bytes += units_bytes(units);
     h->live_handles++;
     if (align <= HUNIT) space_live_insert(h, i, units);
@@ -357,6 +358,7 @@ void sp_handle_heap_status_get(sp_handle_heap *h, sp_handle_heap_status *out) {
         out->free_bytes ? 1.0 - (double)out->largest_free / (double)out->free_bytes : 0.0;
     out->moved_last = h->moved_last;
     out->moved_total = h->moved_total;
+    out->allocated_total = h->allocated_total;
     out->compact_ns_last = h->compact_ns_last;
     out->retired_slots = h->retired_slots;
     out->caught_up = h->caught_up;

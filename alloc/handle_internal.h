@@ -70,7 +70,8 @@ struct sp_handle_heap {
     bool own_region;
     bool kept; /* the runtime's (handle_heap_keep): destroy refuses */
     size_t live_bytes, live_handles, hole_bytes;
-    size_t need_bytes; /* live blocks' header + size rounded to 16 */
+    size_t need_bytes;        /* live blocks' header + size rounded to 16 */
+    uint64_t allocated_total; /* sizes asked for by every allocation made */
     uint64_t bitmap[HCLASSES / 64];
     hfree *lists[HCLASSES];
     /* live blocks aligned to at most 16, by size class of their needed units (slot lists):

@@ -152,6 +152,8 @@ typedef struct sp_handle_heap_status {
     double fragmentation;     /* 1 - largest_free / free_bytes; 0 when nothing is free */
     uint64_t moved_last;      /* bytes moved by the last compaction call */
     uint64_t moved_total;     /* bytes moved by compaction since create */
+    uint64_t allocated_total; /* bytes asked for by the allocations made since create (a flow:
+                                 frees take nothing off) */
     uint64_t compact_ns_last; /* time spent in the last compaction call */
     uint32_t table_capacity;  /* slots in the current table */
     uint32_t retired_slots;   /* slots whose generations ran out */

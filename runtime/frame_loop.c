@@ -90,6 +90,13 @@ static void frame_counter_check(const char *call) {
     sp_counter_add(sp_rt.frame_counter, -v);
 }
 
+/* How far a flow (a count that only grows) went since *t0, which moves on to now. */
+static uint64_t flow(uint64_t now, uint64_t *t0) {
+    uint64_t d = now - *t0;
+    *t0 = now;
+    return d;
+}
+
 sp_result sp_frame_begin(void) {
     sp_result r = rt_frame_loop_only("sp_frame_begin");
     if (r != SP_OK) return r;
@@ -169,9 +176,7 @@ sp_result sp_frame_end(void) {
     st.wait_ns = sp_time_ns() - t_wait;
     /* Counted from the last frame's close, not from sp_frame_begin: jobs that ran and
      * retires made between frames count in the next frame, not in none. */
-    uint64_t jobs_run = sp_jobs_run_count(sp_rt.jobs);
-    st.jobs_run = jobs_run - sp_rt.jobs_run_t0;
-    sp_rt.jobs_run_t0 = jobs_run;
+    st.jobs_run = flow(sp_jobs_run_count(sp_rt.jobs), &sp_rt.jobs_run_t0);
     __atomic_store_n(&sp_rt.in_frame, false, __ATOMIC_RELAXED);
 
     sp_frame_buffer_status closed;
@@ -194,14 +199,16 @@ sp_result sp_frame_end(void) {
     sp_tcache_heap_status(&spans, &large);
     st.heap_bytes = spans.bytes_used + large.bytes_used;
     st.heap_high_water = spans.high_water + large.high_water;
+    st.heap_allocated = flow(sp_tcache_allocated(), &sp_rt.heap_allocated_t0);
     sp_handle_heap_status hs;
     sp_handle_heap_status_get(sp_rt.handles, &hs);
     st.handle_bytes = hs.live_bytes;
+    st.handle_allocated = flow(hs.allocated_total, &sp_rt.handle_allocated_t0);
     st.handle_fragmentation = hs.fragmentation;
     st.persistent_bytes = atomic_load_explicit(&sp_rt.persist_used, memory_order_relaxed);
-    uint64_t retires = atomic_load_explicit(&sp_rt.retire_count, memory_order_relaxed);
-    st.retired = retires - sp_rt.retired_t0;
-    sp_rt.retired_t0 = retires;
+    st.persistent_allocated = flow(st.persistent_bytes, &sp_rt.persistent_t0);
+    st.retired =
+        flow(atomic_load_explicit(&sp_rt.retire_count, memory_order_relaxed), &sp_rt.retired_t0);
     st.frame_ns = sp_time_ns() - sp_rt.frame_t0;
     sp_rt.last = st;
     __atomic_store_n(&sp_rt.frame, sp_rt.frame + 1, __ATOMIC_RELAXED); /* read by sp_status_get */

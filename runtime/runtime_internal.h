@@ -90,8 +90,9 @@ typedef struct runtime {
     bool in_between; /* sp_frame_end's between-frames step runs (works, compaction) */
     uint64_t frame;
     uint64_t frame_t0;
-    uint64_t jobs_run_t0;
+    uint64_t jobs_run_t0; /* the flows at the last frame's close (at sp_init, for frame 0) */
     uint64_t retired_t0;
+    uint64_t heap_allocated_t0, handle_allocated_t0, persistent_t0;
     sp_frame_stats last;
     bool compact_gate; /* between_frames asked already: the heap's may_compact says yes */
     between_work between[BETWEEN_MAX];

@@ -154,11 +154,12 @@ typedef struct sp_region_info {
     size_t size;
 } sp_region_info;
 
-/* One closed frame. The bytes per allocator are levels at the frame's close, what each holds
- * (jemalloc's "allocated"), not bytes allocated during the frame: the arena's in whole chunks
- * (a frame that allocated 16 bytes shows one chunk), the central heap's in spans. A count of
- * the bytes each allocator handed out in the frame is not kept: it would add a counter to the
- * thread caches' fast path. */
+/* One closed frame. Each allocator has two figures: what it holds at the frame's close (a
+ * level: *_bytes, as jemalloc's "allocated"; the central heap's in spans) and the bytes asked of
+ * it during the frame (a flow: *_allocated, from the last frame's close to this one's, so that
+ * work between frames counts in the next frame, not in none). The arena's one figure is both:
+ * its buffer holds only this frame's data, counted in whole chunks (a frame that allocated 16
+ * bytes shows one chunk). Frees are not counted. */
 typedef struct sp_frame_stats {
     uint64_t frame;      /* its number (the first frame is 0) */
     uint64_t frame_ns;   /* sp_frame_begin to the end of sp_frame_end */
@@ -177,11 +178,15 @@ typedef struct sp_frame_stats {
                                     records) and large blocks. Bytes in live blocks:
                                     sp_tcache_status_get, O(spans) */
     size_t heap_high_water;      /* the peaks of its span and large-block parts, added */
+    size_t heap_allocated;       /* bytes asked of the thread caches and the large heap this
+                                    frame (sp_tcache_allocated's growth since the last close) */
     size_t trimmed_bytes;        /* bytes of spans the main thread's sp_tcache_tidy gave back */
     size_t handle_bytes;         /* handle heap: live bytes */
+    size_t handle_allocated;     /* bytes asked for by handle allocations this frame */
     size_t handle_moved;         /* bytes compaction moved this frame */
     double handle_fragmentation;
-    size_t persistent_bytes;
+    size_t persistent_bytes;       /* taken from the persistent region since sp_init */
+    size_t persistent_allocated;   /* of them, this frame's (alignment padding included) */
     uint64_t retired;              /* sp_retire calls since the last frame's close */
     uint32_t between_skipped;      /* works not run: the budget was spent (compaction also when
                                       jobs of the caller's own counters were still running) */

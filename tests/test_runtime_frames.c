@@ -21,6 +21,7 @@ typedef struct lane {
     sp_handle handles[LIVE][PER_JOB];
     sp_handle burst[BURST];
     uint64_t frame;
+    size_t asked[3]; /* this frame's bytes asked of the thread caches, handle heap, region */
     int bad;
 } lane;
 
@@ -41,12 +42,14 @@ static void lane_job(void *arg) {
         if (p) {
             memset(p, 0x5A, 64);
             atomic_fetch_add(&persistent, 64);
+            l->asked[2] += 64;
         } else {
             l->bad++;
         }
     }
     if (f % 2500 == 1) {
         for (int i = 0; i < BURST; i++) l->burst[i] = sp_handle_alloc(hh, 24, 16);
+        l->asked[1] += 24 * BURST;
         for (int i = 0; i < BURST; i++) l->bad += sp_handle_free(hh, l->burst[i]) != SP_OK;
     }
     for (int k = 0; k < PER_JOB; k++) {
@@ -72,6 +75,7 @@ static void lane_job(void *arg) {
             ts_rng_range(&l->rng, 0, 15) == 0 ? 40000 : (size_t)ts_rng_range(&l->rng, 16, 512);
         l->heap[k] = sp_tcache_alloc(m);
         l->heap_size[k] = m;
+        l->asked[0] += m;
         if (l->heap[k])
             memset(l->heap[k], pattern(f, li, k), m);
         else
@@ -89,6 +93,7 @@ static void lane_job(void *arg) {
         }
         size_t hs = (size_t)ts_rng_range(&l->rng, 16, 4096);
         *slot = sp_handle_alloc(hh, hs, 16);
+        l->asked[1] += hs;
         uint8_t *hp = sp_handle_resolve(hh, *slot);
         if (hp)
             memset(hp, pattern(f, li, k), hs);
@@ -124,16 +129,25 @@ int main(void) {
         size_t moved = 0, overflows = 0;
         sp_frame_stats first = {0};
         uint64_t retired = 0;
+        uint32_t flows_off = 0; /* frames whose *_allocated differ from what the jobs asked */
         sp_job_desc jobs[JOBS];
         for (int i = 0; i < JOBS; i++) jobs[i] = (sp_job_desc){.fn = lane_job, .arg = &lanes[i]};
         for (uint32_t f = 0; f < frames; f++) {
             sp_frame_begin();
-            for (int i = 0; i < JOBS; i++) lanes[i].frame = f;
+            for (int i = 0; i < JOBS; i++) {
+                lanes[i].frame = f;
+                memset(lanes[i].asked, 0, sizeof lanes[i].asked);
+            }
             sp_submit(jobs, JOBS, NULL);
             sp_frame_end();
             sp_frame_stats st;
             sp_frame_stats_last(&st);
             if (f == 0) first = st;
+            size_t asked[3] = {0};
+            for (int i = 0; i < JOBS; i++)
+                for (int k = 0; k < 3; k++) asked[k] += lanes[i].asked[k];
+            flows_off += st.heap_allocated != asked[0] || st.handle_allocated != asked[1] ||
+                         st.persistent_allocated != asked[2];
             moved += st.handle_moved;
             retired += st.retired;
             overflows += st.arena_overflows;
@@ -144,6 +158,9 @@ int main(void) {
                frames);
         ok(moved > 0 && overflows == 0, "handle compaction moved %zu bytes; no arena overflow",
            moved);
+        is_int(flows_off, 0,
+               "every frame's heap, handle and persistent bytes allocated are what its jobs "
+               "asked for");
         sp_handle_heap_status hg;
         sp_handle_heap_status_get(sp_handles(), &hg);
         ok(retired > 0 && hg.table_capacity >= BURST,
