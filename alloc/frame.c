@@ -338,6 +338,7 @@ static SP_COLD void *overflow_serve(sp_frame_arena *a, frame_buffer *b, size_t a
 }
 
 static void *alloc_any(sp_frame_arena *a, size_t align, size_t size, const char *call) {
+    if (SP_NULL_ARG(a, call, NULL, "arena")) return NULL;
     if (SP_UNLIKELY(!sp_is_pow2(align))) {
         sp_misuse(SP_ERR_BAD_ALIGNMENT, call, a, "alignment %zu is not a power of two", align);
         return NULL;

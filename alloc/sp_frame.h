@@ -53,9 +53,10 @@
  *
  * Order: sp_frame_arena_create; any number of frames (allocations, then one advance); destroy.
  * Arenas are independent of each other and of the other spindle modules (no init needed).
- * A NULL arena is misuse (SP_ERR_INVALID_ARG, reported; advance and frame return 0, buffer_of
- * -1; destroy ignores it) except on the allocation fast paths, which read the arena first and
- * do not check: there, as after destroy, it is undefined.
+ * A NULL arena is misuse (SP_ERR_INVALID_ARG, reported; alloc returns NULL, advance and frame
+ * 0, buffer_of -1; destroy ignores it), except on the allocation fast paths of release builds,
+ * which read the arena first and do not check: there, as after destroy, it is undefined (where
+ * the header is compiled with SP_DEBUG >= 1, and in ASan and Valgrind builds, they check).
  *
  * Concurrency:
  *   sp_frame_alloc, sp_frame_aligned_alloc      any number of threads and fibers at once
@@ -214,7 +215,16 @@ void *sp_frame_alloc_generic(sp_frame_arena *a, size_t align, size_t size, const
 #define SP_FRAME_INLINE SP_INLINE_FAST_PATHS
 
 #if SP_FRAME_INLINE
+/* Debug builds (SP_DEBUG >= 1, where this header is compiled) send a NULL arena out of line,
+ * which reports it; release builds read through it (sp_frame.h, top). */
+#if defined(SP_DEBUG) && SP_DEBUG >= 1
+#define SP_FRAME_NULL_CHECK_(a) (__builtin_expect((a) == NULL, 0))
+#else
+#define SP_FRAME_NULL_CHECK_(a) 0
+#endif
+
 static inline __attribute__((always_inline)) void *sp_frame_alloc(sp_frame_arena *a, size_t size) {
+    if (SP_FRAME_NULL_CHECK_(a)) return sp_frame_alloc_generic(a, 16, size, "sp_frame_alloc");
     const sp_frame_hot_ *h = (const sp_frame_hot_ *)(void *)a;
     sp_frame_chunk *c = (sp_frame_chunk *)SP_TLS_FRESH(sp_frame_tls) + h->slot;
     char *p = c->cur;
@@ -232,6 +242,8 @@ static inline __attribute__((always_inline)) void *sp_frame_alloc(sp_frame_arena
 
 static inline __attribute__((always_inline)) void *
 sp_frame_aligned_alloc(sp_frame_arena *a, size_t align, size_t size) {
+    if (SP_FRAME_NULL_CHECK_(a))
+        return sp_frame_alloc_generic(a, align, size, "sp_frame_aligned_alloc");
     const sp_frame_hot_ *h = (const sp_frame_hot_ *)(void *)a;
     sp_frame_chunk *c = (sp_frame_chunk *)SP_TLS_FRESH(sp_frame_tls) + h->slot;
     uintptr_t p = ((uintptr_t)c->cur + align - 1) & ~(uintptr_t)(align - 1);
