@@ -6,7 +6,9 @@
  * from a central TLSF heap, aligned to their size so that any block finds its span header from
  * its address alone (masked, plus the span's colour offset: sp_tcache_span_of_). A span is cut
  * into equal blocks with an intrusive free list.
- *   alloc on the owner:  thread-local cache pointer, class lookup, pop. No atomics, no locks.
+ *   alloc on the owner:  thread-local cache pointer, class lookup, pop, and an add to the
+ *                        cache's count of bytes allocated. No atomic read-modify-writes, no
+ *                        locks.
  *   free on the owner:   range check, span header, checks, push. No atomics, no locks.
  *   free on any other thread: a lock-free push onto the span's inbox (a Treiber stack that is
  *                        only ever emptied whole, so it has no ABA problem); the owner takes
@@ -41,6 +43,9 @@
  *                                               allocates or frees (figures are read, not
  *                                               locked, from caches that are running)
  *   heap_status                                 any thread; exact (under the heap locks)
+ *   allocated                                   any thread; the running caches' counts as
+ *                                               their threads last stored them (relaxed),
+ *                                               under the registry lock
  *
  * Fibers: the calling thread's cache is read afresh on every call through SP_TLS_FRESH (an
  * asm volatile read of the thread pointer with a memory clobber), never from an address a
@@ -265,8 +270,8 @@ void sp_tcache_heap_status(sp_tlsf_status *spans, sp_tlsf_status *large);
 
 /* Bytes asked for by the allocations the thread caches and the large heap served since
  * sp_tcache_init, over all threads, detached ones included: alloc, calloc and aligned_alloc
- * count their size, realloc its new size when it handed out another block (not when the block
- * stayed where it was). A flow, not a level: frees take nothing off (sp_frame_stats takes its
+ * count their size, realloc its new size when it moved the block or grew it past its usable
+ * size (not when the block already held that many bytes). A flow, not a level: frees take nothing off (sp_frame_stats takes its
  * per-frame difference). Any thread; each running cache's count as its thread last stored it
  * (exact for threads whose allocations happen-before the call, as a frame's jobs do before
  * sp_frame_end's wait returns). Cost: O(attached caches), under the registry lock. 0 before

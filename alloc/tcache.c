@@ -931,7 +931,8 @@ void *sp_tcache_realloc(void *p, size_t size) {
     if (!large && size <= usable && size >= usable / 2) return p;
     if (large && size > tc.max_class) {
         void *q = heap_realloc(&tc.large, p, size, "sp_tcache_realloc");
-        if (q != p && q) atomic_fetch_add_explicit(&tc.large_allocated, size, memory_order_relaxed);
+        if (q && (q != p || size > usable)) /* moved, or grew in place: counted as asked */
+            atomic_fetch_add_explicit(&tc.large_allocated, size, memory_order_relaxed);
         if (q) return q;
     }
     void *q = sp_tcache_alloc(size);

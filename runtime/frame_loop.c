@@ -90,13 +90,6 @@ static void frame_counter_check(const char *call) {
     sp_counter_add(sp_rt.frame_counter, -v);
 }
 
-/* How far a flow (a count that only grows) went since *t0, which moves on to now. */
-static uint64_t flow(uint64_t now, uint64_t *t0) {
-    uint64_t d = now - *t0;
-    *t0 = now;
-    return d;
-}
-
 sp_result sp_frame_begin(void) {
     sp_result r = rt_frame_loop_only("sp_frame_begin");
     if (r != SP_OK) return r;
@@ -174,9 +167,6 @@ sp_result sp_frame_end(void) {
     }
     frame_counter_check("sp_frame_end");
     st.wait_ns = sp_time_ns() - t_wait;
-    /* Counted from the last frame's close, not from sp_frame_begin: jobs that ran and
-     * retires made between frames count in the next frame, not in none. */
-    st.jobs_run = flow(sp_jobs_run_count(sp_rt.jobs), &sp_rt.jobs_run_t0);
     __atomic_store_n(&sp_rt.in_frame, false, __ATOMIC_RELAXED);
 
     sp_frame_buffer_status closed;
@@ -199,20 +189,37 @@ sp_result sp_frame_end(void) {
     sp_tcache_heap_status(&spans, &large);
     st.heap_bytes = spans.bytes_used + large.bytes_used;
     st.heap_high_water = spans.high_water + large.high_water;
-    st.heap_allocated = flow(sp_tcache_allocated(), &sp_rt.heap_allocated_t0);
     sp_handle_heap_status hs;
     sp_handle_heap_status_get(sp_rt.handles, &hs);
     st.handle_bytes = hs.live_bytes;
-    st.handle_allocated = flow(hs.allocated_total, &sp_rt.handle_allocated_t0);
     st.handle_fragmentation = hs.fragmentation;
     st.persistent_bytes = atomic_load_explicit(&sp_rt.persist_used, memory_order_relaxed);
-    st.persistent_allocated = flow(st.persistent_bytes, &sp_rt.persistent_t0);
-    st.retired =
-        flow(atomic_load_explicit(&sp_rt.retire_count, memory_order_relaxed), &sp_rt.retired_t0);
+    /* The flows, all at this one point: a record counts from the end of the last frame's
+     * sp_frame_end to the end of this one, this one's between-frames work included. */
+    uint64_t now[FLOWS];
+    rt_flows_read(now, &hs);
+    uint64_t grew[FLOWS];
+    for (int k = 0; k < FLOWS; k++) {
+        grew[k] = now[k] - sp_rt.flows_t0[k];
+        sp_rt.flows_t0[k] = now[k];
+    }
+    st.jobs_run = grew[FLOW_JOBS];
+    st.retired = grew[FLOW_RETIRED];
+    st.heap_allocated = grew[FLOW_HEAP];
+    st.handle_allocated = grew[FLOW_HANDLE];
+    st.persistent_allocated = grew[FLOW_PERSISTENT];
     st.frame_ns = sp_time_ns() - sp_rt.frame_t0;
     sp_rt.last = st;
     __atomic_store_n(&sp_rt.frame, sp_rt.frame + 1, __ATOMIC_RELAXED); /* read by sp_status_get */
     return SP_OK;
+}
+
+void rt_flows_read(uint64_t v[FLOWS], const sp_handle_heap_status *hs) {
+    v[FLOW_JOBS] = sp_jobs_run_count(sp_rt.jobs);
+    v[FLOW_RETIRED] = atomic_load_explicit(&sp_rt.retire_count, memory_order_relaxed);
+    v[FLOW_HEAP] = sp_tcache_allocated();
+    v[FLOW_HANDLE] = hs->allocated_total;
+    v[FLOW_PERSISTENT] = atomic_load_explicit(&sp_rt.persist_used, memory_order_relaxed);
 }
 
 sp_result sp_frame_stats_last(sp_frame_stats *out) {

@@ -541,14 +541,9 @@ sp_result sp_init(const sp_desc *desc) {
     sp_rt.in_frame = false;
     sp_rt.between_count = 0;
     atomic_store(&sp_rt.retire_count, 0);
-    /* The first frame's flows start here (see sp_frame_end). */
-    sp_rt.retired_t0 = 0;
-    sp_rt.jobs_run_t0 = sp_jobs_run_count(sp_rt.jobs);
-    sp_rt.heap_allocated_t0 = sp_tcache_allocated();
     sp_handle_heap_status hs;
     sp_handle_heap_status_get(sp_rt.handles, &hs);
-    sp_rt.handle_allocated_t0 = hs.allocated_total;
-    sp_rt.persistent_t0 = atomic_load_explicit(&sp_rt.persist_used, memory_order_relaxed);
+    rt_flows_read(sp_rt.flows_t0, &hs); /* the first frame's record counts from here */
     atomic_store(&sp_rt.stopping, false);
     __atomic_store_n(&sp_rt.up, true, __ATOMIC_RELEASE);
     return SP_OK;

@@ -19,6 +19,9 @@ typedef struct between_work {
     void *user;
 } between_work;
 
+/* The counts that only grow, whose growth each frame record holds (sp_frame_stats). */
+enum { FLOW_JOBS, FLOW_RETIRED, FLOW_HEAP, FLOW_HANDLE, FLOW_PERSISTENT, FLOWS };
+
 /* A pointer waiting for a grace period (sp_retire). */
 typedef struct retired {
     struct retired *next;
@@ -90,9 +93,7 @@ typedef struct runtime {
     bool in_between; /* sp_frame_end's between-frames step runs (works, compaction) */
     uint64_t frame;
     uint64_t frame_t0;
-    uint64_t jobs_run_t0; /* the flows at the last frame's close (at sp_init, for frame 0) */
-    uint64_t retired_t0;
-    uint64_t heap_allocated_t0, handle_allocated_t0, persistent_t0;
+    uint64_t flows_t0[FLOWS]; /* the flows at the last frame's close (sp_init's, for frame 0) */
     sp_frame_stats last;
     bool compact_gate; /* between_frames asked already: the heap's may_compact says yes */
     between_work between[BETWEEN_MAX];
@@ -124,6 +125,9 @@ SP_HIDDEN bool rt_is_up(const char *call);
 SP_HIDDEN void rt_quiescent(void);
 /* Wake the reclaimer if anything was retired. */
 SP_HIDDEN void rt_reclaim_kick(void);
+
+/* The flows now into v; hs: the runtime's handle heap's status, just read. */
+SP_HIDDEN void rt_flows_read(uint64_t v[FLOWS], const sp_handle_heap_status *hs);
 
 /* Handle heap's compaction gate: the main thread, outside frames, no job in flight. */
 SP_HIDDEN bool rt_may_compact(void *user);

@@ -156,18 +156,21 @@ typedef struct sp_region_info {
 
 /* One closed frame. Each allocator has two figures: what it holds at the frame's close (a
  * level: *_bytes, as jemalloc's "allocated"; the central heap's in spans) and the bytes asked of
- * it during the frame (a flow: *_allocated, from the last frame's close to this one's, so that
- * work between frames counts in the next frame, not in none). The arena's one figure is both:
- * its buffer holds only this frame's data, counted in whole chunks (a frame that allocated 16
- * bytes shows one chunk). Frees are not counted. */
+ * it during the frame (a flow: *_allocated; frees are not counted). The flows (jobs_run,
+ * retired and the *_allocated) count from the end of the last sp_frame_end (sp_init, for frame
+ * 0) to the end of this one: what the program did between the two frames counts in this one,
+ * and so does the between-frames work of this sp_frame_end (registered works, compaction);
+ * everything counts in exactly one record. The arena's one figure is both a level and a flow: its buffer holds only
+ * this frame's data, counted in whole chunks (a frame that allocated 16 bytes shows one
+ * chunk). */
 typedef struct sp_frame_stats {
     uint64_t frame;      /* its number (the first frame is 0) */
     uint64_t frame_ns;   /* sp_frame_begin to the end of sp_frame_end */
     uint64_t wait_ns;    /* sp_frame_end's wait for the frame's jobs */
     uint64_t between_ns; /* between-frames work (tidy, fiber trim, registered work,
                             compaction) */
-    uint64_t jobs_run;   /* jobs that finished since the last frame's wait (all of them,
-                            between frames included; each piece of a parallel-for counts) */
+    uint64_t jobs_run;   /* jobs that finished (all of them, between frames included; each
+                            piece of a parallel-for counts) */
     size_t arena_bytes;  /* taken from the frame's buffer (sp_frame_buffer_status) */
     size_t arena_peak;   /* that buffer's peak over all its frames */
     size_t arena_chunks;
@@ -178,16 +181,19 @@ typedef struct sp_frame_stats {
                                     records) and large blocks. Bytes in live blocks:
                                     sp_tcache_status_get, O(spans) */
     size_t heap_high_water;      /* the peaks of its span and large-block parts, added */
-    size_t heap_allocated;       /* bytes asked of the thread caches and the large heap this
-                                    frame (sp_tcache_allocated's growth since the last close) */
+    size_t heap_allocated;       /* bytes asked of the thread caches and the large heap
+                                    (sp_tcache_allocated's growth), the blocks of arena
+                                    overflows the heap served included (with their headers) */
     size_t trimmed_bytes;        /* bytes of spans the main thread's sp_tcache_tidy gave back */
     size_t handle_bytes;         /* handle heap: live bytes */
-    size_t handle_allocated;     /* bytes asked for by handle allocations this frame */
+    size_t handle_allocated;     /* bytes asked for by handle allocations */
     size_t handle_moved;         /* bytes compaction moved this frame */
     double handle_fragmentation;
     size_t persistent_bytes;       /* taken from the persistent region since sp_init */
-    size_t persistent_allocated;   /* of them, this frame's (alignment padding included) */
-    uint64_t retired;              /* sp_retire calls since the last frame's close */
+    size_t persistent_allocated;   /* of them, this frame's: what requests took (alignment
+                                      padding, 1 byte for size 0, and requests whose commit
+                                      failed included) */
+    uint64_t retired;              /* sp_retire calls */
     uint32_t between_skipped;      /* works not run: the budget was spent (compaction also when
                                       jobs of the caller's own counters were still running) */
     uint32_t fiber_stacks_trimmed; /* fiber stacks sp_jobs_trim gave back (every 64th frame) */

@@ -77,6 +77,8 @@ static void test_basics(void) {
     sp_handle_heap_status_get(hp, &st);
     ok(st.live_handles == 0 && st.live_bytes == 0 && st.used_bytes == 0 && st.hole_bytes == 0,
        "empty heap: no live bytes, the top back at the bottom");
+    is_int(st.allocated_total, 100 + 0 + 5000 + 100,
+           "allocated_total: every size asked for, frees taking nothing off");
     ok(sp_handle_heap_check(hp) == SP_OK, "heap check passes");
     sp_handle_heap_destroy(hp);
 }

@@ -1031,16 +1031,40 @@ static void free_retired(void *p) {
     free(p);
 }
 
-/* The frame record counts jobs run and retires from the last frame's close: a frame's own,
- * and those made between frames, in the next frame (none lost, none counted twice). */
+/* Takes 1,000 bytes from the thread caches each time it runs (freed by the test). */
+static void *work_block;
+static void work_allocates(void *user, uint64_t budget) {
+    (void)user;
+    (void)budget;
+    work_block = sp_tcache_alloc(1000);
+}
+
+/* What one frame, what the program did between frames and what a between-frames work
+ * allocated, in heap / handle / persistent bytes. */
+typedef struct flows_seen {
+    size_t heap, handle, persistent;
+} flows_seen;
+
+static flows_seen flows_of(const sp_frame_stats *st) {
+    return (flows_seen){st->heap_allocated, st->handle_allocated, st->persistent_allocated};
+}
+
+/* The frame record counts jobs run, retires and bytes allocated from the end of the last
+ * sp_frame_end: a frame's own, and those made between frames (and by the next frame end's
+ * between-frames work), in the next frame (none lost, none counted twice). */
 static void test_frame_stats_counts(void) {
     if (!init_small(1)) return;
     sp_job_desc j[3] = {
         {.fn = nop_job, .name = "a"}, {.fn = nop_job, .name = "b"}, {.fn = nop_job, .name = "c"}};
     sp_frame_stats a, b, c;
+    void *blocks[2];
+    sp_handle handles[2];
     sp_frame_begin();
     sp_submit(j, 3, NULL);
     sp_retire(malloc(16), free_retired);
+    blocks[0] = sp_tcache_alloc(100);
+    handles[0] = sp_handle_alloc(sp_handles(), 200, 0);
+    sp_persistent_alloc(48, 16);
     sp_frame_end();
     sp_frame_stats_last(&a);
     sp_counter *own = sp_counter_create(sp_scheduler(), "between");
@@ -1048,12 +1072,31 @@ static void test_frame_stats_counts(void) {
     sp_counter_wait(own, 0);
     sp_retire(malloc(16), free_retired);
     sp_retire(malloc(16), free_retired);
+    blocks[1] = sp_tcache_alloc(10);
+    handles[1] = sp_handle_alloc(sp_handles(), 20, 0);
+    sp_persistent_alloc(16, 16);
+    sp_between_frames_add("allocates", work_allocates, NULL); /* runs in b's sp_frame_end */
     sp_frame_begin();
     sp_frame_end();
     sp_frame_stats_last(&b);
+    sp_between_frames_remove(work_allocates, NULL);
     sp_frame_begin();
     sp_frame_end();
     sp_frame_stats_last(&c);
+    flows_seen fa = flows_of(&a), fb = flows_of(&b), fc = flows_of(&c);
+    ok(fa.heap == 100 && fa.handle == 200 && fa.persistent == 48 && fb.heap == 10 + 1000 &&
+           fb.handle == 20 && fb.persistent == 16 && fc.heap == 0 && fc.handle == 0 &&
+           fc.persistent == 0,
+       "bytes allocated (heap / handle / persistent): 100 / 200 / 48 in a frame; 10 / 20 / 16 "
+       "between frames and 1,000 from the next frame end's between-frames work, counted in the "
+       "next; then none (got %zu / %zu / %zu, %zu / %zu / %zu, %zu / %zu / %zu)",
+       fa.heap, fa.handle, fa.persistent, fb.heap, fb.handle, fb.persistent, fc.heap, fc.handle,
+       fc.persistent);
+    for (int i = 0; i < 2; i++) {
+        sp_tcache_free(blocks[i]);
+        sp_handle_free(sp_handles(), handles[i]);
+    }
+    sp_tcache_free(work_block);
     ok(a.jobs_run == 3 && a.retired == 1 && b.jobs_run == 2 && b.retired == 2 && c.jobs_run == 0 &&
            c.retired == 0,
        "jobs run / retires: 3 / 1 in a frame, 2 / 2 between frames counted in the next, then "
