@@ -271,11 +271,11 @@ void sp_tcache_heap_status(sp_tlsf_status *spans, sp_tlsf_status *large);
 /* Bytes asked for by the allocations the thread caches and the large heap served since
  * sp_tcache_init, over all threads, detached ones included: alloc, calloc and aligned_alloc
  * count their size, realloc its new size when it moved the block or grew it past its usable
- * size (not when the block already held that many bytes). A flow, not a level: frees take nothing off (sp_frame_stats takes its
- * per-frame difference). Any thread; each running cache's count as its thread last stored it
- * (exact for threads whose allocations happen-before the call, as a frame's jobs do before
- * sp_frame_end's wait returns). Cost: O(attached caches), under the registry lock. 0 before
- * init. */
+ * size (not when the block already held that many bytes). A flow, not a level: frees take
+ * nothing off (sp_frame_stats takes its per-frame difference). Any thread; each running
+ * cache's count as its thread last stored it (exact for threads whose allocations
+ * happen-before the call, as a frame's jobs do before sp_frame_end's wait returns). Cost:
+ * O(attached caches), under the registry lock. 0 before init. */
 size_t sp_tcache_allocated(void);
 
 /* For the malloc drop-in (fork safety): take every global lock and every cache's own / release
