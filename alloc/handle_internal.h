@@ -157,6 +157,13 @@ SP_HIDDEN size_t space_trim(sp_handle_heap *h, size_t max_bytes);
 /* Something that can let a hole compaction left close happened (a last unpin, a block taken at
  * the top, the top lowered): if any was left (`low`), the next call goes back for it. */
 SP_HIDDEN void space_note_change(sp_handle_heap *h);
+/* Bytes of the largest hole, from the highest class holding any: the largest of that class's
+ * first LARGEST_WALK holes (on its list, most recently freed first). Exact when the class
+ * holds no more; else less than one class step below (the holes of a class of 16 units or
+ * more differ by less than 1/8 of the smallest: the result is above 8/9 of the true one).
+ * Bounded: sp_frame_end reads it every frame, and a freed level can leave thousands of holes
+ * of one size, each a cache miss to read. */
+#define LARGEST_WALK 64 /* sp_handle.h documents the number */
 SP_HIDDEN size_t space_largest_hole(const sp_handle_heap *h);
 /* Take `units` at the front of hole b (removed from its list), the rest becomes a hole again
  * (or slack of the block if under HMIN_UNITS). Returns the units the block got. */

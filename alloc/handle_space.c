@@ -82,7 +82,8 @@ TRACK_INTERNAL size_t space_largest_hole(const sp_handle_heap *h) {
         if (!h->bitmap[w]) continue;
         unsigned c = w * 64 + 63u - (unsigned)__builtin_clzll(h->bitmap[w]);
         size_t best = 0;
-        for (const hfree *f = h->lists[c]; f; f = f->next)
+        unsigned n = 0;
+        for (const hfree *f = h->lists[c]; f && n < LARGEST_WALK; f = f->next, n++)
             if (units_bytes(f->head.size) > best) best = units_bytes(f->head.size);
         return best;
     }

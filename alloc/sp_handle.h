@@ -38,7 +38,8 @@
  *                                          by pin/unpin for the pin count (so a pin and a free
  *                                          of the same handle are ordered: the pin sees the
  *                                          handle dead, or the free sees the pin)
- *   sp_handle_heap_status_get, _check      any thread; take the lock; exact
+ *   sp_handle_heap_status_get, _check      any thread; take the lock; exact (but
+ *                                          largest_free: see sp_handle_heap_status)
  *   sp_handle_compact                      one call at a time, between frames (the caller
  *                                          guarantees no resolve or resolved pointer is in
  *                                          use elsewhere); holds the lock for the whole call,
@@ -146,7 +147,10 @@ typedef struct sp_handle_heap_status {
     size_t used_bytes;        /* start of heap to top: live blocks, headers, holes */
     size_t hole_bytes;        /* free blocks below the top (headers included) */
     size_t free_bytes;        /* hole_bytes + committed bytes above the top */
-    size_t largest_free;      /* largest hole or the committed space above the top */
+    size_t largest_free;      /* largest hole or the committed space above the top; where
+                                 more than 64 holes share the largest hole's size class (8
+                                 per doubling), the largest of the 64 freed last there,
+                                 above 8/9 of the largest hole (status stays bounded) */
     size_t committed_bytes;   /* memory the heap holds from the OS (the region's committed part) */
     size_t table_bytes;       /* the handle table and its side array (retired tables excluded) */
     double fragmentation;     /* 1 - largest_free / free_bytes; 0 when nothing is free */
@@ -250,8 +254,9 @@ size_t sp_handle_size(sp_handle_heap *h, sp_handle x);
  * called from a relocation callback; nothing changes). */
 sp_result sp_handle_compact(sp_handle_heap *h, uint64_t budget_ns, sp_handle_compact_stats *out);
 
-/* Figures (see sp_handle_heap_status). Any thread; takes the lock. O(holes in the largest
- * size class). A NULL heap: zeros. A NULL out: misuse SP_ERR_INVALID_ARG, nothing written. */
+/* Figures (see sp_handle_heap_status). Any thread; takes the lock. O(1): at most 64 holes
+ * read (largest_free). A NULL heap: zeros. A NULL out: misuse SP_ERR_INVALID_ARG, nothing written.
+ */
 void sp_handle_heap_status_get(sp_handle_heap *h, sp_handle_heap_status *out);
 
 /* Validate every invariant: headers chain from the bottom to the top with matching sizes, no
