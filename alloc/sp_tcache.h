@@ -45,7 +45,8 @@
  *   heap_status                                 any thread; exact (under the heap locks)
  *   allocated                                   any thread; the running caches' counts as
  *                                               their threads last stored them (relaxed),
- *                                               under the registry lock
+ *                                               under a lock that attach and detach take
+ *                                               briefly (not the one status holds)
  *
  * Fibers: the calling thread's cache is read afresh on every call through SP_TLS_FRESH (an
  * asm volatile read of the thread pointer with a memory clobber), never from an address a
@@ -275,7 +276,8 @@ void sp_tcache_heap_status(sp_tlsf_status *spans, sp_tlsf_status *large);
  * nothing off (sp_frame_stats takes its per-frame difference). Any thread; each running
  * cache's count as its thread last stored it (exact for threads whose allocations
  * happen-before the call, as a frame's jobs do before sp_frame_end's wait returns). Cost:
- * O(attached caches), under the registry lock. 0 before init. */
+ * O(attached caches), under a lock of its own that attach and detach take for a few stores
+ * (never waiting for a status walk). 0 before init. */
 size_t sp_tcache_allocated(void);
 
 /* For the malloc drop-in (fork safety): take every global lock and every cache's own / release
@@ -381,6 +383,12 @@ sp_tcache_push_(sp_tcache_span *s, sp_tcache_block *b, uintptr_t tag) {
     return h < SP_TCACHE_COUNT_ONE;
 }
 
+/* Count size bytes allocated from c (its thread, or the fallback's lock holder). */
+static inline __attribute__((always_inline)) void sp_tcache_add_allocated_(sp_tcache *c,
+                                                                           size_t size) {
+    __atomic_store_n(&c->allocated, c->allocated + size, __ATOMIC_RELAXED);
+}
+
 /* The header of the span holding address a. Spans are aligned to their size, so every span
  * header at the span's start would share one set of the L1 and L2 caches (sets are chosen by
  * the low address bits), and a thread's spans of 16 classes would evict each other's headers
@@ -434,7 +442,7 @@ static inline __attribute__((always_inline)) void *sp_tcache_alloc(size_t size) 
         sp_tcache_block *b = sp_tcache_list_(h);
         if (__builtin_expect(b != NULL, 1)) {
             sp_tcache_pop_(s, h, b);
-            __atomic_store_n(&c->allocated, c->allocated + size, __ATOMIC_RELAXED);
+            sp_tcache_add_allocated_(c, size);
             return b;
         }
     }

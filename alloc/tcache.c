@@ -456,10 +456,12 @@ static bool registry_add(cache *c) {
         sp_mutex_unlock(&tc.reg_lock);
         return false;
     }
+    sp_mutex_lock(&tc.count_lock);
     c->reg_prev = NULL;
     c->reg_next = tc.registry;
     if (tc.registry) tc.registry->reg_prev = c;
     tc.registry = c;
+    sp_mutex_unlock(&tc.count_lock);
     tc.cache_count++;
     c->registered = true;
     sp_mutex_unlock(&tc.reg_lock);
@@ -476,16 +478,18 @@ size_t tcache_attach_close(bool closed) {
 
 static void registry_remove(cache *c) {
     sp_mutex_lock(&tc.reg_lock);
+    sp_mutex_lock(&tc.count_lock);
     if (c->reg_prev)
         c->reg_prev->reg_next = c->reg_next;
     else
         tc.registry = c->reg_next;
     if (c->reg_next) c->reg_next->reg_prev = c->reg_prev;
+    tc.retired_allocated += c->pub.allocated;
+    sp_mutex_unlock(&tc.count_lock);
     tc.cache_count--;
     c->registered = false;
     tc.retired_remote_frees += c->remote_frees;
     tc.retired_collected += c->remote_collected;
-    tc.retired_allocated += c->pub.allocated;
     sp_mutex_unlock(&tc.reg_lock);
 }
 
@@ -650,6 +654,11 @@ static void cache_put(bool locked) {
 
 /* ---- alloc ------------------------------------------------------------------------------ */
 
+/* Count a large block of size bytes (sp_tcache_allocated). */
+static void large_count(size_t size) {
+    atomic_fetch_add_explicit(&tc.large_allocated, size, memory_order_relaxed);
+}
+
 /* A block of size bytes aligned to align (a power of two); NULL when out of memory. */
 TRACK_INTERNAL static void *block_alloc(size_t size, size_t align) {
     if (!tcache_ready()) return NULL;
@@ -665,14 +674,14 @@ TRACK_INTERNAL static void *block_alloc(size_t size, size_t align) {
     }
     if (k == SP_TCACHE_CLASSES) {
         void *p = heap_alloc(&tc.large, align, size);
-        if (p) atomic_fetch_add_explicit(&tc.large_allocated, size, memory_order_relaxed);
+        if (p) large_count(size);
         return p;
     }
     bool locked;
     cache *c = cache_get(&locked);
     if (!c) return NULL;
     void *p = class_alloc(c, k);
-    if (p) __atomic_store_n(&c->pub.allocated, c->pub.allocated + size, __ATOMIC_RELAXED);
+    if (p) sp_tcache_add_allocated_(&c->pub, size);
     cache_put(locked);
     return p;
 }
@@ -931,8 +940,7 @@ void *sp_tcache_realloc(void *p, size_t size) {
     if (!large && size <= usable && size >= usable / 2) return p;
     if (large && size > tc.max_class) {
         void *q = heap_realloc(&tc.large, p, size, "sp_tcache_realloc");
-        if (q && (q != p || size > usable)) /* moved, or grew in place: counted as asked */
-            atomic_fetch_add_explicit(&tc.large_allocated, size, memory_order_relaxed);
+        if (q && (q != p || size > usable)) large_count(size); /* moved, or grew in place */
         if (q) return q;
     }
     void *q = sp_tcache_alloc(size);
@@ -1069,6 +1077,7 @@ size_t sp_tcache_shutdown(void) {
 void sp_tcache_fork_prepare(void) {
     sp_mutex_lock(&tc.init_lock);
     sp_mutex_lock(&tc.reg_lock);
+    sp_mutex_lock(&tc.count_lock);
     sp_mutex_lock(&tc.fallback_lock);
     sp_mutex_lock(&tc.orphan_lock);
     heap_lock_all(true);
@@ -1083,6 +1092,7 @@ void sp_tcache_fork_parent(void) {
     heap_lock_all(false);
     sp_mutex_unlock(&tc.orphan_lock);
     sp_mutex_unlock(&tc.fallback_lock);
+    sp_mutex_unlock(&tc.count_lock);
     sp_mutex_unlock(&tc.reg_lock);
     sp_mutex_unlock(&tc.init_lock);
 }
@@ -1093,6 +1103,7 @@ void sp_tcache_fork_child(void) {
      * correctly, into inboxes nobody collects). */
     memset(&tc.init_lock, 0, sizeof tc.init_lock);
     memset(&tc.reg_lock, 0, sizeof tc.reg_lock);
+    memset(&tc.count_lock, 0, sizeof tc.count_lock);
     memset(&tc.fallback_lock, 0, sizeof tc.fallback_lock);
     memset(&tc.orphan_lock, 0, sizeof tc.orphan_lock);
     memset(&tc.spans.lock, 0, sizeof tc.spans.lock);

@@ -38,6 +38,10 @@ typedef struct tcache_state {
     uint8_t direct_first[SP_TCACHE_CLASSES], direct_end[SP_TCACHE_CLASSES];
 
     sp_mutex reg_lock; /* registry, cache_count, retired_*, attach_closed */
+    /* The registry's links and retired_allocated are written under both locks (reg_lock
+     * first): sp_tcache_allocated walks the registry under count_lock alone, so the frame end
+     * never waits for a status walk, which holds reg_lock for O(spans). */
+    sp_mutex count_lock;
     cache *registry;
     size_t cache_count;
     bool attach_closed; /* new caches refused (tcache_attach_close: the runtime shuts down) */

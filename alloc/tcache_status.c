@@ -101,11 +101,11 @@ void sp_tcache_status_get(sp_tcache_status *st) {
 
 size_t sp_tcache_allocated(void) {
     if (!atomic_load_explicit(&tc.ready, memory_order_acquire)) return 0;
-    sp_mutex_lock(&tc.reg_lock);
+    sp_mutex_lock(&tc.count_lock); /* not reg_lock: status walks hold it for long */
     size_t n = tc.retired_allocated;
     for (cache *c = tc.registry; c; c = c->reg_next)
         n += __atomic_load_n(&c->pub.allocated, __ATOMIC_RELAXED);
-    sp_mutex_unlock(&tc.reg_lock);
+    sp_mutex_unlock(&tc.count_lock);
     return n + __atomic_load_n(&tc.fallback.pub.allocated, __ATOMIC_RELAXED) +
            atomic_load_explicit(&tc.large_allocated, memory_order_relaxed);
 }

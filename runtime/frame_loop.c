@@ -193,11 +193,11 @@ sp_result sp_frame_end(void) {
     sp_handle_heap_status_get(sp_rt.handles, &hs);
     st.handle_bytes = hs.live_bytes;
     st.handle_fragmentation = hs.fragmentation;
-    st.persistent_bytes = atomic_load_explicit(&sp_rt.persist_used, memory_order_relaxed);
     /* The flows, all at this one point: a record counts from the end of the last frame's
      * sp_frame_end to the end of this one, this one's between-frames work included. */
     uint64_t now[FLOWS];
-    rt_flows_read(now, &hs);
+    rt_flows_read(now, hs.allocated_total);
+    st.persistent_bytes = now[FLOW_PERSISTENT];
     uint64_t grew[FLOWS];
     for (int k = 0; k < FLOWS; k++) {
         grew[k] = now[k] - sp_rt.flows_t0[k];
@@ -214,11 +214,11 @@ sp_result sp_frame_end(void) {
     return SP_OK;
 }
 
-void rt_flows_read(uint64_t v[FLOWS], const sp_handle_heap_status *hs) {
+void rt_flows_read(uint64_t v[FLOWS], uint64_t handle_allocated) {
     v[FLOW_JOBS] = sp_jobs_run_count(sp_rt.jobs);
     v[FLOW_RETIRED] = atomic_load_explicit(&sp_rt.retire_count, memory_order_relaxed);
     v[FLOW_HEAP] = sp_tcache_allocated();
-    v[FLOW_HANDLE] = hs->allocated_total;
+    v[FLOW_HANDLE] = handle_allocated;
     v[FLOW_PERSISTENT] = atomic_load_explicit(&sp_rt.persist_used, memory_order_relaxed);
 }
 

@@ -543,7 +543,7 @@ sp_result sp_init(const sp_desc *desc) {
     atomic_store(&sp_rt.retire_count, 0);
     sp_handle_heap_status hs;
     sp_handle_heap_status_get(sp_rt.handles, &hs);
-    rt_flows_read(sp_rt.flows_t0, &hs); /* the first frame's record counts from here */
+    rt_flows_read(sp_rt.flows_t0, hs.allocated_total); /* frame 0's record counts from here */
     atomic_store(&sp_rt.stopping, false);
     __atomic_store_n(&sp_rt.up, true, __ATOMIC_RELEASE);
     return SP_OK;

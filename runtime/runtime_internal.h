@@ -126,8 +126,9 @@ SP_HIDDEN void rt_quiescent(void);
 /* Wake the reclaimer if anything was retired. */
 SP_HIDDEN void rt_reclaim_kick(void);
 
-/* The flows now into v; hs: the runtime's handle heap's status, just read. */
-SP_HIDDEN void rt_flows_read(uint64_t v[FLOWS], const sp_handle_heap_status *hs);
+/* The flows now into v; handle_allocated: the handle heap's allocated_total, just read with
+ * its status (which the caller needs anyway). */
+SP_HIDDEN void rt_flows_read(uint64_t v[FLOWS], uint64_t handle_allocated);
 
 /* Handle heap's compaction gate: the main thread, outside frames, no job in flight. */
 SP_HIDDEN bool rt_may_compact(void *user);

@@ -160,7 +160,8 @@ typedef struct sp_region_info {
  * retired and the *_allocated) count from the end of the last sp_frame_end (sp_init, for frame
  * 0) to the end of this one: what the program did between the two frames counts in this one,
  * and so does the between-frames work of this sp_frame_end (registered works, compaction);
- * everything counts in exactly one record. The arena's one figure is both a level and a
+ * everything up to the last sp_frame_end counts in exactly one record (what follows it,
+ * before sp_shutdown, in none). The arena's one figure is both a level and a
  * flow: its buffer holds only this frame's data, counted in whole chunks (a frame that
  * allocated 16 bytes shows one chunk). */
 typedef struct sp_frame_stats {

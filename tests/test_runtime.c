@@ -297,6 +297,9 @@ static void test_overflow(sp_frame_overflow mode) {
         ok(st.arena_overflows > 0 && st.arena_overflow_bytes == st.arena_overflows * 64 * 1024,
            "%s: overflows counted (%zu, %zu bytes from the central heap)", name, st.arena_overflows,
            st.arena_overflow_bytes);
+        is_int(st.heap_allocated, st.arena_overflow_bytes + st.arena_overflows * 16,
+               "%s: the frame's heap_allocated holds the overflow blocks, a 16-byte header each",
+               name);
         sp_frame_begin(); /* frame 1; frame 2 reclaims frame 0's buffer */
         sp_frame_end();
         sp_tcache_status after;
@@ -1031,12 +1034,15 @@ static void free_retired(void *p) {
     free(p);
 }
 
-/* Takes 1,000 bytes from the thread caches each time it runs (freed by the test). */
+/* Takes 1,000 bytes from the thread caches and 2,000 from the handle heap each time it runs
+ * (freed by the test). */
 static void *work_block;
+static sp_handle work_handle;
 static void work_allocates(void *user, uint64_t budget) {
     (void)user;
     (void)budget;
     work_block = sp_tcache_alloc(1000);
+    work_handle = sp_handle_alloc(sp_handles(), 2000, 0);
 }
 
 /* What one frame, what the program did between frames and what a between-frames work
@@ -1085,11 +1091,11 @@ static void test_frame_stats_counts(void) {
     sp_frame_stats_last(&c);
     flows_seen fa = flows_of(&a), fb = flows_of(&b), fc = flows_of(&c);
     ok(fa.heap == 100 && fa.handle == 200 && fa.persistent == 48 && fb.heap == 10 + 1000 &&
-           fb.handle == 20 && fb.persistent == 16 && fc.heap == 0 && fc.handle == 0 &&
+           fb.handle == 20 + 2000 && fb.persistent == 16 && fc.heap == 0 && fc.handle == 0 &&
            fc.persistent == 0,
        "bytes allocated (heap / handle / persistent): 100 / 200 / 48 in a frame; 10 / 20 / 16 "
-       "between frames and 1,000 from the next frame end's between-frames work, counted in the "
-       "next; then none (got %zu / %zu / %zu, %zu / %zu / %zu, %zu / %zu / %zu)",
+       "between frames and 1,000 / 2,000 / 0 from the next frame end's between-frames work, "
+       "counted in the next; then none (got %zu / %zu / %zu, %zu / %zu / %zu, %zu / %zu / %zu)",
        fa.heap, fa.handle, fa.persistent, fb.heap, fb.handle, fb.persistent, fc.heap, fc.handle,
        fc.persistent);
     for (int i = 0; i < 2; i++) {
@@ -1097,6 +1103,7 @@ static void test_frame_stats_counts(void) {
         sp_handle_free(sp_handles(), handles[i]);
     }
     sp_tcache_free(work_block);
+    sp_handle_free(sp_handles(), work_handle);
     ok(a.jobs_run == 3 && a.retired == 1 && b.jobs_run == 2 && b.retired == 2 && c.jobs_run == 0 &&
            c.retired == 0,
        "jobs run / retires: 3 / 1 in a frame, 2 / 2 between frames counted in the next, then "

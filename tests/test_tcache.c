@@ -796,6 +796,25 @@ static void test_allocated(void) {
     sp_tcache_free(q);
     got = sp_tcache_allocated() - a0;
     ok(got == want, "... frees take nothing off (%zu)", got);
+    /* A large block that grows into the free block above it stays where it is: counted too. */
+    void *l[3];
+    for (int i = 0; i < 3; i++) l[i] = sp_tcache_alloc((size_t)1 << 20);
+    for (int i = 0; i < 3; i++) /* sort by address */
+        for (int j = i + 1; j < 3; j++)
+            if ((uintptr_t)l[j] < (uintptr_t)l[i]) {
+                void *x = l[i];
+                l[i] = l[j];
+                l[j] = x;
+            }
+    sp_tcache_free(l[1]);
+    a0 = sp_tcache_allocated();
+    void *g = sp_tcache_realloc(l[0], (size_t)3 << 19);
+    got = sp_tcache_allocated() - a0;
+    ok(g == l[0] && got == (size_t)3 << 19,
+       "... a large realloc that grows in place adds its new size (%s; %zu)",
+       g == l[0] ? "in place" : "moved", got);
+    sp_tcache_free(g);
+    sp_tcache_free(l[2]);
 }
 
 static void test_leak_check(void) {
@@ -897,7 +916,7 @@ static void test_fallback_counted(void) {
 }
 
 int main(void) {
-    plan(63);
+    plan(64);
     sp_tcache_desc desc = {.region_size = (size_t)1 << 30, .keep_detached = 2};
     ok(sp_tcache_init(&desc) == SP_OK, "init");
     test_classes();
@@ -925,12 +944,14 @@ int main(void) {
     memset(none, 0xAB, sizeof none);
     sp_tcache_heap_status(&none[0], &none[1]);
     ok(none[0].bytes_used == 0 && none[0].pool_count == 0 && none[1].bytes_used == 0 &&
-           none[1].high_water == 0 && sp_tcache_allocated() == 0,
-       "heap_status and allocated after shutdown: all zero");
+           none[1].high_water == 0,
+       "heap_status after shutdown: all zero");
     test_fallback_counted();
     /* Lazy initialisation with defaults, after a shutdown. */
     void *p = sp_tcache_alloc(10);
-    ok(p != NULL, "first alloc after shutdown initialises again (defaults)");
+    ok(p != NULL && sp_tcache_allocated() == 10,
+       "first alloc after shutdown initialises again (defaults), its count from 0 (%zu)",
+       sp_tcache_allocated());
     sp_tcache_free(p);
     test_orphans_tidied();
     return done();
