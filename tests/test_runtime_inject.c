@@ -1,12 +1,15 @@
 /* sp_init's unwind under injected failures. Linked with -Wl,--wrap for mmap, mmap64, munmap
  * and pthread_create (tests/meson.build): the k-th such call made by spindle fails, for every
- * k until init gets through. After each failed init, every mapping spindle made is gone again,
- * every thread it started has been joined, no thread cache is left, the failing subsystem is
- * named, and a later init with nothing injected works. A second pass does the same with the
- * k-th heap allocation (malloc, calloc, realloc, aligned_alloc, posix_memalign: also wrapped)
- * that sp_init makes on the calling thread; what a failed init leaked of them LeakSanitizer
- * reports in the ASan build. The allocations the workers' threads make as they start are not
- * failed (their cache records; the scheduler makes their thread fibers on this thread). */
+ * k until init gets through. Also wrapped, to see the order in which subsystems stop: the call
+ * each subsystem's stop makes (sp_jobs_destroy, sp_handle_heap_destroy, sp_frame_arena_destroy,
+ * sp_tcache_thread_detach, sp_tcache_shutdown, and the munmap of the reservation). After each
+ * failed init, every mapping spindle made is gone again, every thread it started has been joined,
+ * no thread cache is left, the failing subsystem is named, and a later init with nothing injected
+ * works. A second pass does the same with the k-th heap allocation (malloc, calloc, realloc,
+ * aligned_alloc, posix_memalign: also wrapped) that sp_init makes on the calling thread; what a
+ * failed init leaked of them LeakSanitizer reports in the ASan build. The allocations the workers'
+ * threads make as they start are not failed (their cache records; the scheduler makes their thread
+ * fibers on this thread). */
 #include <dirent.h>
 #include <errno.h>
 #include <pthread.h>
@@ -70,6 +73,50 @@ int __wrap_posix_memalign(void **out, size_t align, size_t n) {
     return heap_inject() ? ENOMEM : __real_posix_memalign(out, align, n);
 }
 
+/* ---- the stop order -------------------------------------------------------------------- */
+
+/* What the main thread's stops called, in order: subsystem names joined by ','. */
+static char stops[256];
+static _Atomic size_t reservation; /* bytes of the runtime's reservation (sp_status) */
+
+static void stop_seen(const char *who) {
+    if (!pthread_equal(pthread_self(), main_thread) || strlen(stops) + strlen(who) + 2 > 256)
+        return;
+    if (stops[0]) strcat(stops, ",");
+    strcat(stops, who);
+}
+
+void __real_sp_jobs_destroy(sp_jobs *s);
+void __real_sp_handle_heap_destroy(sp_handle_heap *h);
+void __real_sp_frame_arena_destroy(sp_frame_arena *a);
+void __real_sp_tcache_thread_detach(void);
+size_t __real_sp_tcache_shutdown(void);
+void __wrap_sp_jobs_destroy(sp_jobs *s);
+void __wrap_sp_handle_heap_destroy(sp_handle_heap *h);
+void __wrap_sp_frame_arena_destroy(sp_frame_arena *a);
+void __wrap_sp_tcache_thread_detach(void);
+size_t __wrap_sp_tcache_shutdown(void);
+void __wrap_sp_jobs_destroy(sp_jobs *s) {
+    stop_seen("jobs");
+    __real_sp_jobs_destroy(s);
+}
+void __wrap_sp_handle_heap_destroy(sp_handle_heap *h) {
+    stop_seen("handle heap");
+    __real_sp_handle_heap_destroy(h);
+}
+void __wrap_sp_frame_arena_destroy(sp_frame_arena *a) {
+    stop_seen("frame arenas");
+    __real_sp_frame_arena_destroy(a);
+}
+void __wrap_sp_tcache_thread_detach(void) {
+    stop_seen("thread caches");
+    __real_sp_tcache_thread_detach();
+}
+size_t __wrap_sp_tcache_shutdown(void) {
+    stop_seen("central heap");
+    return __real_sp_tcache_shutdown();
+}
+
 static bool inject(int kind) {
     long n = atomic_fetch_add(&calls, 1) + 1;
     if (n != atomic_load(&fail_at)) return false;
@@ -95,6 +142,7 @@ void *__wrap_mmap64(void *addr, size_t len, int prot, int flags, int fd, off_t o
     return map(__real_mmap64, addr, len, prot, flags, fd, off);
 }
 int __wrap_munmap(void *addr, size_t len) {
+    if (len == atomic_load(&reservation)) stop_seen("platform");
     int r = __real_munmap(addr, len);
     if (r == 0) atomic_fetch_sub(&mapped, (long)len);
     return r;
@@ -124,6 +172,24 @@ static int order_of(const char *who) {
     for (int i = 0; i < (int)(sizeof start_order / sizeof start_order[0]); i++)
         if (who && !strcmp(who, start_order[i])) return i;
     return -1;
+}
+
+/* Whether the stops seen since `stops` was cleared are those of the first n subsystems in
+ * reverse start order, after any of the failing subsystem's own cleanup (who: its name, or
+ * NULL). */
+static bool stopped_in_reverse(int n, const char *who) {
+    char want[256] = "";
+    for (int i = n; i-- > 0;) {
+        if (want[0]) strcat(want, ",");
+        strcat(want, start_order[i]);
+    }
+    const char *seen = stops;
+    size_t w = who ? strlen(who) : 0;
+    while (w && !strncmp(seen, who, w) && (seen[w] == ',' || seen[w] == 0))
+        seen += w + (seen[w] == ','); /* the failing subsystem cleaning up after itself */
+    if (!strcmp(seen, want)) return true;
+    diag("stops: '%s', want '%s' (after %s's own)", stops, want, who ? who : "none");
+    return false;
 }
 
 /* After a failed init: nothing of it left (mappings, threads, thread caches), and a new init
@@ -174,6 +240,14 @@ int main(void) {
     sp_frame_end();
     sp_shutdown();
     ok(clean_calls > 4, "a clean init makes %ld mmap/pthread_create calls", clean_calls);
+    sp_init(&d);
+    sp_status rs;
+    sp_status_get(&rs);
+    atomic_store(&reservation, rs.reserved);
+    stops[0] = 0;
+    sp_shutdown();
+    ok(stopped_in_reverse(6, NULL), "sp_shutdown stops the subsystems in reverse start order (%s)",
+       stops);
     is_int(atomic_load(&mapped), mapped0, "a clean init + shutdown unmaps everything it mapped");
 
     ts_log_capture();
@@ -181,10 +255,12 @@ int main(void) {
          ordered = true;
     int last_order = -1;
     long k;
+    bool reversed = true;
     for (k = 1; k <= clean_calls; k++) {
         atomic_store(&calls, 0);
         atomic_store(&failed_kind, 0);
         atomic_store(&fail_at, k);
+        stops[0] = 0;
         sp_result r = sp_init(&d);
         atomic_store(&fail_at, 0);
         if (r == SP_OK) { /* the k-th call was one whose failure spindle absorbs (none now) */
@@ -200,6 +276,7 @@ int main(void) {
         int o = order_of(who);
         ordered = ordered && o >= last_order;
         last_order = o > last_order ? o : last_order;
+        reversed = stopped_in_reverse(o, who) && reversed;
         clean = unwound(k, who, mapped0, threads0, &d) && clean;
     }
     ts_log_release();
@@ -228,6 +305,7 @@ int main(void) {
         atomic_store(&failed_kind, 0);
         atomic_store(&heap_fail_at, k);
         atomic_store(&heap_armed, true);
+        stops[0] = 0;
         sp_result r = sp_init(&d);
         atomic_store(&heap_armed, false);
         atomic_store(&heap_fail_at, 0);
@@ -243,6 +321,7 @@ int main(void) {
         int o = order_of(who);
         ordered = ordered && o >= last_order;
         last_order = o > last_order ? o : last_order;
+        reversed = stopped_in_reverse(o, who) && reversed;
         if (who && !strstr(subsystems, who) && strlen(subsystems) + strlen(who) + 3 < 256) {
             strcat(subsystems, subsystems[0] ? ", " : "");
             strcat(subsystems, who);
@@ -256,5 +335,7 @@ int main(void) {
     ok(heap_clean, "after each: nothing mapped, no thread, no thread cache left; a new init works");
     ok(ordered, "in both passes the failing subsystem follows the documented start order "
                 "(platform, central heap, thread caches, frame arenas, handle heap, jobs)");
+    ok(reversed, "in both passes a failed init stops the subsystems started before the failing "
+                 "one in reverse order");
     return done();
 }
