@@ -158,7 +158,8 @@ SP_HIDDEN size_t space_trim(sp_handle_heap *h, size_t max_bytes);
  * the top, the top lowered): if any was left (`low`), the next call goes back for it. */
 SP_HIDDEN void space_note_change(sp_handle_heap *h);
 /* Bytes of the largest hole, from the highest class holding any: the largest of that class's
- * first LARGEST_WALK holes (on its list, most recently freed first). Exact when the class
+ * first LARGEST_WALK holes (on its list, the one put there last first: freed, merged or left by
+ * a carve). Exact when the class
  * holds no more; else less than one class step below (the holes of a class of 16 units or
  * more differ by less than 1/8 of the smallest: the result is above 8/9 of the true one).
  * Bounded: sp_frame_end reads it every frame, and a freed level can leave thousands of holes

@@ -149,8 +149,9 @@ typedef struct sp_handle_heap_status {
     size_t free_bytes;        /* hole_bytes + committed bytes above the top */
     size_t largest_free;      /* largest hole or the committed space above the top; where
                                  more than 64 holes share the largest hole's size class (8
-                                 per doubling), the largest of the 64 freed last there,
-                                 above 8/9 of the largest hole (status stays bounded) */
+                                 per doubling), the largest of the 64 put in that class
+                                 last, above 8/9 of the largest hole (status stays
+                                 bounded) */
     size_t committed_bytes;   /* memory the heap holds from the OS (the region's committed part) */
     size_t table_bytes;       /* the handle table and its side array (retired tables excluded) */
     double fragmentation;     /* 1 - largest_free / free_bytes; 0 when nothing is free */

@@ -104,7 +104,7 @@ SP_HIDDEN void *heap_alloc(heap *h, size_t align, size_t size); /* grows the hea
  * free frees nothing, usable returns 0, realloc NULL (as when p cannot grow in place). */
 SP_HIDDEN void heap_free(heap *h, void *p, const char *call);
 SP_HIDDEN size_t heap_usable(heap *h, const void *p, const char *call);
-/* realloc: NULL when p cannot change in place */
+/* realloc: p grown or shrunk in place, or moved (TLSF's realloc); NULL when there is no room */
 SP_HIDDEN void *heap_realloc(heap *h, void *p, size_t size, const char *call);
 SP_HIDDEN void heap_status(heap *h, sp_tlsf_status *out);
 SP_HIDDEN void heap_lock_all(bool lock);

