@@ -977,10 +977,10 @@ static sp_result init_locked(const sp_tcache_desc *desc, bool lazy) {
         return sp_misuse(SP_ERR_INVALID_ARG, "sp_tcache_init", d.region,
                          "region of %zu bytes is below 64 MiB", d.region_size);
     if (!d.region && d.region_size == 0) {
-        /* Under an address-space limit, start from half the room it leaves. */
-        size_t room = sp_address_room();
+        /* Under an address-space limit, start from the budget it leaves. */
+        size_t budget = sp_address_budget();
         d.region_size = (size_t)64 << 30;
-        while (d.region_size > ((size_t)1 << 30) && d.region_size > room / 2) d.region_size /= 2;
+        while (d.region_size > ((size_t)1 << 30) && d.region_size > budget) d.region_size /= 2;
     }
     if (d.region_size < SP_TCACHE_MIN_REGION) d.region_size = SP_TCACHE_MIN_REGION;
     d.region_size &= ~(SP_TCACHE_SPAN * 2 - 1);

@@ -404,8 +404,8 @@ sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc) {
     bool max_default = !desc || desc->fibers_max == 0;
     uint32_t *max = &s->desc.fibers_max;
     if (max_default) {
-        size_t room = sp_address_room(), slot = d.fiber_stack + sp_page_size();
-        while (*max > d.fibers && (size_t)*max * slot > room / 2) *max = max_halved(*max, d.fibers);
+        size_t budget = sp_address_budget(), slot = d.fiber_stack + sp_page_size();
+        while (*max > d.fibers && (size_t)*max * slot > budget) *max = max_halved(*max, d.fibers);
     }
     r = sp_fiber_pool_create_growing(&s->pool, d.fibers, *max, d.fiber_stack);
     while (r == SP_ERR_OS && max_default && *max > d.fibers) {

@@ -376,7 +376,7 @@ uint64_t sp_memory_size(void) {
     return pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0;
 }
 
-size_t sp_address_room(void) {
+size_t sp_address_budget(void) {
     struct rlimit lim;
     if (getrlimit(RLIMIT_AS, &lim) != 0 || lim.rlim_cur == RLIM_INFINITY) return SIZE_MAX;
     /* System calls only, no stdio: the thread caches ask from inside malloc's first call. */
@@ -390,7 +390,7 @@ size_t sp_address_room(void) {
         pages = pages * 10 + (size_t)(text[i] - '0');
     if (i == 0) return SIZE_MAX; /* unreadable */
     size_t used = pages * sp_page_size();
-    return lim.rlim_cur > used ? (size_t)(lim.rlim_cur - used) : 0;
+    return lim.rlim_cur > used ? (size_t)(lim.rlim_cur - used) / 2 : 0;
 }
 
 uint64_t sp_time_ns(void) {

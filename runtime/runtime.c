@@ -283,12 +283,13 @@ static sp_result desc_fill(const sp_desc *in, sp_desc *d) {
                          "handle heap's limit)",
                          d->handle_size);
     /* Sizes left 0 follow the machine's memory, or under an address-space limit (RLIMIT_AS)
-     * half the room the limit leaves if that is less: the scheduler's fiber stacks and the
-     * program need the rest (sp_jobs_create then sizes its stacks from what is left). */
+     * half the room the limit leaves if that is less (sp_address_budget): the scheduler's fiber
+     * stacks and the program need the rest (sp_jobs_create then sizes its stacks from what is
+     * left). */
     uint64_t mem = sp_memory_size();
     if (!mem) mem = 4 * (uint64_t)GiB;
-    size_t room = sp_address_room();
-    if (room != SIZE_MAX && mem > room / 2) mem = room / 2;
+    size_t budget = sp_address_budget();
+    if (mem > budget) mem = budget;
     if (!d->heap_size) d->heap_size = clamp_size(mem / 2, 256 * MiB, 64 * GiB);
     if (!d->frame_size) d->frame_size = clamp_size(mem / 64, 16 * MiB, 256 * MiB);
     if (!d->frame_buffers) d->frame_buffers = 2;

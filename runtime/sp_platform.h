@@ -98,11 +98,12 @@ int sp_cpu_nth(uint32_t k);
 /* Bytes of physical memory (sysconf), 0 when unknown. One system call per call. */
 uint64_t sp_memory_size(void);
 
-/* Bytes of address space the process may still map under its RLIMIT_AS soft limit (what the
- * limit leaves after what the process maps now, /proc/self/statm); SIZE_MAX when no limit is
- * set or the mapped size cannot be read. System calls only: it allocates nothing (safe inside
- * malloc). */
-size_t sp_address_room(void);
+/* The address space a default size may take under an RLIMIT_AS soft limit: half of what the
+ * limit leaves after what the process maps now (/proc/self/statm), the rest for the threads
+ * and the program; SIZE_MAX when no limit is set or the mapped size cannot be read. What the
+ * runtime's default regions, the thread caches' own reservation and the scheduler's default
+ * fibers_max follow. System calls only: it allocates nothing (safe inside malloc). */
+size_t sp_address_budget(void);
 
 /* Monotonic clock in nanoseconds (CLOCK_MONOTONIC). Cost: one vDSO call, no system call. */
 uint64_t sp_time_ns(void);
