@@ -101,7 +101,7 @@ SP_HIDDEN void heap_open(heap *h, const char *name, char *base, size_t limit);
 SP_HIDDEN void heap_close(heap *h);
 SP_HIDDEN void *heap_alloc(heap *h, size_t align, size_t size); /* grows the heap as needed */
 /* A bad p is reported under `call` once the heap's lock is released, and nothing changes:
- * free frees nothing, usable returns 0, realloc NULL (as when p cannot grow in place). */
+ * free frees nothing, usable returns 0, realloc NULL (as when there is no room). */
 SP_HIDDEN void heap_free(heap *h, void *p, const char *call);
 SP_HIDDEN size_t heap_usable(heap *h, const void *p, const char *call);
 /* realloc: p grown or shrunk in place, or moved (TLSF's realloc); NULL when there is no room */
