@@ -433,6 +433,11 @@ sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc) {
     if (!main->thread_fiber) goto fail_fibers;
     main->current_fiber = main->thread_fiber;
     jobs_set_current_worker(main);
+    if (d.pin_workers && sp_cpu_nth(0) == SP_CPU_ANY) { /* asked once, not once per worker */
+        sp_log(SP_LOG_WARN, SP_ERR_OS, "sp_jobs_create", s,
+               "the CPU mask cannot be read: the workers start unpinned");
+        d.pin_workers = false;
+    }
     for (uint32_t i = 1; i <= s->nworkers; i++) {
         char name[16];
         snprintf(name, sizeof name, "spindle-w%u", i);
@@ -443,20 +448,14 @@ sp_result sp_jobs_create(sp_jobs **out, const sp_jobs_desc *desc) {
          * any CPU rather than a failed create. */
         int cpu = d.pin_workers ? sp_cpu_nth(i) : SP_CPU_ANY;
         worker *wi = &s->workers[i];
-        if (d.pin_workers && cpu == SP_CPU_ANY)
-            sp_log(SP_LOG_WARN, SP_ERR_OS, "sp_jobs_create", s,
-                   "the CPU mask cannot be read: worker %u starts unpinned", i);
         r = sp_thread_start_on(&wi->thread, worker_thread, wi, name, cpu);
-        if (r == SP_OK) {
-            s->workers_pinned += cpu != SP_CPU_ANY;
-        } else if (cpu != SP_CPU_ANY) {
+        if (r != SP_OK && cpu != SP_CPU_ANY) {
+            cpu = SP_CPU_ANY;
             r = sp_thread_start(&wi->thread, worker_thread, wi, name);
-            if (r == SP_OK)
-                sp_log(SP_LOG_INFO, SP_OK, "sp_jobs_create", s,
-                       "worker %u started unpinned (its start on CPU %d failed)", i, cpu);
         }
+        s->workers_pinned += r == SP_OK && cpu != SP_CPU_ANY;
         if (r != SP_OK) { /* shutdown stops the ones that started */
-            sp_jobs_shutdown(s);
+            shutdown_run(s);
             sp_fiber_thread_leave(main->thread_fiber);
             jobs_set_current_worker(NULL);
             for (uint32_t k = i; k <= d.workers; k++) {

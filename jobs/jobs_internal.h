@@ -160,11 +160,12 @@ struct pfor {
 };
 
 struct sp_jobs {
-    sp_jobs_desc desc; /* with defaults filled in */
-    uint32_t nworkers; /* background workers; worker 0 is the main thread */
-    uint32_t started;  /* of them, threads started (shutdown stops and joins these); workers
-                          read nworkers, so it never changes while they run */
-    worker *workers;   /* [0, nworkers] */
+    sp_jobs_desc desc;       /* with defaults filled in */
+    uint32_t nworkers;       /* background workers; worker 0 is the main thread */
+    uint32_t started;        /* of them, threads started (shutdown stops and joins these); workers
+                                read nworkers, so it never changes while they run */
+    uint32_t workers_pinned; /* of them, pinned at create (pin_workers) */
+    worker *workers;         /* [0, nworkers] */
     sp_fiber_pool *pool;
     sp_mutex spare_lock; /* spares, spare_count: loop fibers no worker keeps */
     sp_fiber **spares;
@@ -208,7 +209,6 @@ struct sp_jobs {
     /* watchdog */
     sp_thread watchdog;
     bool watchdog_started;
-    uint32_t workers_pinned; /* background workers pinned at create (pin_workers) */
     _Atomic uint32_t watchdog_stop;
 };
 

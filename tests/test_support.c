@@ -274,16 +274,6 @@ uint64_t ts_rng_range(ts_rng *r, uint64_t lo, uint64_t hi) {
 /* UBSan defines no macro; its runtime does define this handler. Weak: NULL without UBSan. */
 extern void __ubsan_handle_add_overflow(void) __attribute__((weak));
 
-bool ts_limit_address_room(size_t room) {
-    FILE *f = fopen("/proc/self/statm", "r");
-    unsigned long pages = 0;
-    bool read = f && fscanf(f, "%lu", &pages) == 1;
-    if (f) fclose(f);
-    rlim_t at = (rlim_t)(pages * sp_page_size() + room);
-    struct rlimit lim = {at, at};
-    return read && setrlimit(RLIMIT_AS, &lim) == 0;
-}
-
 bool ts_sanitized(void) {
 #if SP_ASAN || SP_TSAN || SP_HAS_FEATURE(memory_sanitizer)
     return true;
@@ -294,6 +284,16 @@ bool ts_sanitized(void) {
 #endif
     return false;
 #endif
+}
+
+bool ts_limit_address_room(size_t room) {
+    FILE *f = fopen("/proc/self/statm", "r");
+    unsigned long pages = 0;
+    bool read = f && fscanf(f, "%lu", &pages) == 1;
+    if (f) fclose(f);
+    rlim_t at = (rlim_t)(pages * sp_page_size() + room);
+    struct rlimit lim = {at, at};
+    return read && setrlimit(RLIMIT_AS, &lim) == 0;
 }
 
 uint64_t ts_scaled(uint64_t n, uint64_t div) {
