@@ -11,10 +11,11 @@
  * caller leaves that memory as destroy left it, calls through the dead handle are refused:
  * malloc, aligned_alloc and realloc(NULL, n) NULL, status zeros, add_pool, check and walk
  * SP_ERR_INVALID_ARG (each reported as misuse), free and the other pointer calls
- * SP_ERR_FOREIGN_POINTER; once the memory is reused, undefined. A NULL heap (and a NULL
- * status out or walker) is misuse too, answered the same way (check_ptr, which reports
- * nothing: SP_ERR_INVALID_ARG);
- * sp_tlsf_destroy(NULL) returns 0 and sp_tlsf_owns(NULL, p) false.
+ * SP_ERR_FOREIGN_POINTER; once the memory is reused, undefined. A NULL heap, status out or
+ * walker is misuse (SP_ERR_INVALID_ARG, reported): allocations NULL, status zeros, add_pool
+ * and check SP_ERR_INVALID_ARG, free and walk do nothing, usable_size 0; check_ptr returns
+ * SP_ERR_INVALID_ARG and reports nothing; sp_tlsf_destroy(NULL) returns 0 and
+ * sp_tlsf_owns(NULL, p) false.
  *
  * Concurrency:
  *   heap created with desc.locked = false:  one thread at a time (caller provides exclusion).

@@ -427,13 +427,19 @@ typedef struct pool_verdict {
     const char *why;
 } pool_verdict;
 
+/* Whether [memory, memory + size), or memory rounded up to ALIGN, wraps around the address
+ * space (a range that is merely too small for its rounding does not: the callers refuse that
+ * as too small). */
+static bool range_wraps(const void *memory, size_t size) {
+    uintptr_t m = (uintptr_t)memory;
+    return m + size < m || sp_align_up(m, ALIGN) < m;
+}
+
 TRACK_INTERNAL static pool_verdict pool_add(sp_tlsf *t, void *memory, size_t size) {
     if (!memory) return (pool_verdict){SP_ERR_INVALID_ARG, "NULL pool memory"};
+    if (range_wraps(memory, size)) return (pool_verdict){SP_ERR_OVERFLOW, "pool wraps around"};
     uintptr_t lo = sp_align_up((uintptr_t)memory, ALIGN);
-    uintptr_t end = (uintptr_t)memory + size;
-    if (end < (uintptr_t)memory || lo < (uintptr_t)memory)
-        return (pool_verdict){SP_ERR_OVERFLOW, "pool wraps around"};
-    uintptr_t hi = sp_align_down(end, ALIGN);
+    uintptr_t hi = sp_align_down((uintptr_t)memory + size, ALIGN);
     if (hi <= lo || hi - lo < 2 * HEADER + MIN_PAYLOAD)
         return (pool_verdict){SP_ERR_TOO_SMALL, "pool too small for one block"};
     size_t payload = hi - lo - 2 * HEADER;
@@ -478,7 +484,7 @@ sp_tlsf *sp_tlsf_create(const sp_tlsf_desc *desc, sp_result *err) {
         goto out;
     }
     uintptr_t base = sp_align_up((uintptr_t)desc->memory, ALIGN);
-    if (base < (uintptr_t)desc->memory || (uintptr_t)desc->memory + desc->size < base) {
+    if (range_wraps(desc->memory, desc->size)) {
         /* Checked before the control structure is written there. */
         r = sp_misuse(SP_ERR_OVERFLOW, "sp_tlsf_create", desc->memory,
                       "memory + %zu wraps around the address space", desc->size);
@@ -568,11 +574,12 @@ TRACK_INTERNAL SP_INLINE void *heap_malloc(sp_tlsf *t, size_t size) {
     return p;
 }
 
-/* Lock t if it is live. A heap sp_tlsf_destroy left behind (its control structure zeroed; a
- * live heap always has bytes_total >= the control's size): while the caller has not reused
- * that memory, calls through it are refused under `call`, reported with the lock released,
- * and false is returned with t unlocked. */
+/* Lock t if it is live. A NULL t, and a heap sp_tlsf_destroy left behind (its control
+ * structure zeroed; a live heap always has bytes_total >= the control's size) while the caller
+ * has not reused that memory, are refused under `call`, reported with the lock released, and
+ * false is returned with t unlocked. */
 static bool heap_lock_live(sp_tlsf *t, const char *call) {
+    if (SP_NULL_ARG(t, call, NULL, "heap")) return false;
     heap_lock(t); /* bytes_total grows with add_pool, under the lock */
     if (SP_LIKELY(t->bytes_total != 0)) return true;
     heap_unlock(t);
@@ -585,19 +592,23 @@ static SP_COLD void alloc_failed(sp_tlsf *t, const char *call) {
     if (heap_lock_live(t, call)) heap_unlock(t);
 }
 
+/* malloc under `call` (sp_tlsf_malloc, realloc(NULL, n)): a NULL or destroyed heap reported. */
+TRACK_INTERNAL static void *malloc_reported(sp_tlsf *t, size_t size, const char *call) {
+    if (SP_NULL_ARG(t, call, NULL, "heap")) return NULL;
+    void *p = heap_malloc(t, size);
+    if (SP_UNLIKELY(!p)) alloc_failed(t, call);
+    return p;
+}
+
 sp_result sp_tlsf_add_pool(sp_tlsf *t, void *memory, size_t size) {
-    if (SP_NULL_ARG(t, "sp_tlsf_add_pool", NULL, "heap") || !heap_lock_live(t, "sp_tlsf_add_pool"))
-        return SP_ERR_INVALID_ARG;
+    if (!heap_lock_live(t, "sp_tlsf_add_pool")) return SP_ERR_INVALID_ARG;
     pool_verdict v = pool_add(t, memory, size);
     heap_unlock(t);
     return v.id == SP_OK ? SP_OK : pool_report(v, "sp_tlsf_add_pool", memory, size);
 }
 
 TRACK_INTERNAL void *sp_tlsf_malloc(sp_tlsf *t, size_t size) {
-    if (SP_NULL_ARG(t, "sp_tlsf_malloc", NULL, "heap")) return NULL;
-    void *p = heap_malloc(t, size);
-    if (SP_UNLIKELY(!p)) alloc_failed(t, "sp_tlsf_malloc");
-    return p;
+    return malloc_reported(t, size, "sp_tlsf_malloc");
 }
 
 /* align: a power of two up to MAX_ALIGN. */
@@ -674,12 +685,8 @@ TRACK_INTERNAL static bool block_resize_in_place(sp_tlsf *t, block *b, size_t wa
 }
 
 TRACK_INTERNAL void *sp_tlsf_realloc(sp_tlsf *t, void *p, size_t size) {
+    if (!p) return malloc_reported(t, size, "sp_tlsf_realloc");
     if (SP_NULL_ARG(t, "sp_tlsf_realloc", NULL, "heap")) return NULL;
-    if (!p) {
-        void *q = heap_malloc(t, size);
-        if (SP_UNLIKELY(!q)) alloc_failed(t, "sp_tlsf_realloc");
-        return q;
-    }
     heap_lock(t);
     verdict v = block_check_live(t, p);
     size_t old = v.b ? block_size(v.b) : 0;
@@ -741,15 +748,8 @@ TRACK_INTERNAL static size_t heap_bytes_free(const sp_tlsf *t) {
 
 TRACK_INTERNAL void sp_tlsf_status_get(sp_tlsf *t, sp_tlsf_status *out) {
     if (SP_NULL_ARG(out, "sp_tlsf_status_get", NULL, "out")) return;
-    if (SP_UNLIKELY(!t)) {
-        memset(out, 0, sizeof *out); /* before the report, which may not return */
-        sp_null_arg("sp_tlsf_status_get", NULL, "heap");
-        return;
-    }
-    if (SP_UNLIKELY(!heap_lock_live(t, "sp_tlsf_status_get"))) {
-        memset(out, 0, sizeof *out);
-        return;
-    }
+    memset(out, 0, sizeof *out); /* zeros stand for a NULL or destroyed heap */
+    if (SP_UNLIKELY(!heap_lock_live(t, "sp_tlsf_status_get"))) return;
     size_t bytes_free = heap_bytes_free(t);
     size_t largest = 0;
     if (t->fl_bitmap) {
@@ -771,10 +771,9 @@ TRACK_INTERNAL void sp_tlsf_status_get(sp_tlsf *t, sp_tlsf_status *out) {
 }
 
 TRACK_INTERNAL void sp_tlsf_walk(sp_tlsf *t, sp_tlsf_walker fn, void *user) {
-    if (SP_NULL_ARG(t, "sp_tlsf_walk", NULL, "heap") ||
-        SP_NULL_ARG(fn, "sp_tlsf_walk", NULL, "walker"))
+    if (SP_NULL_ARG(fn, "sp_tlsf_walk", NULL, "walker") ||
+        SP_UNLIKELY(!heap_lock_live(t, "sp_tlsf_walk")))
         return;
-    if (SP_UNLIKELY(!heap_lock_live(t, "sp_tlsf_walk"))) return;
     for (size_t i = 0; i < t->pool_count; i++) {
         block *end = (block *)(t->pools[i].hi - HEADER);
         for (block *b = (block *)t->pools[i].lo; b < end; b = block_next(b)) {
@@ -802,9 +801,7 @@ TRACK_INTERNAL sp_result sp_tlsf_check(sp_tlsf *t) {
     char why[160];
     const void *bad = NULL;
     size_t used = 0, free_bytes = 0, live = 0, free_count = 0;
-    if (SP_NULL_ARG(t, "sp_tlsf_check", NULL, "heap") ||
-        SP_UNLIKELY(!heap_lock_live(t, "sp_tlsf_check")))
-        return SP_ERR_INVALID_ARG;
+    if (SP_UNLIKELY(!heap_lock_live(t, "sp_tlsf_check"))) return SP_ERR_INVALID_ARG;
     for (size_t i = 0; i < t->pool_count; i++) {
         block *end = (block *)(t->pools[i].hi - HEADER), *prev = NULL, *b;
         bool prev_free = false;

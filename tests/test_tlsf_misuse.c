@@ -301,14 +301,23 @@ static void test_null_args(void) {
     sp_result wrap = sp_tlsf_add_pool(heap, (void *)(UINTPTR_MAX - 5), 0);
     ok(wrap == SP_ERR_OVERFLOW && ts_logged.count == 1,
        "a pool at UINTPTR_MAX - 5: SP_ERR_OVERFLOW (%s), reported", sp_result_name(wrap));
-    /* The same for create, which wrote its control structure at the rounded-up start (0). */
+    /* The same for create, with room for its control structure: it wrote it at the
+     * rounded-up start (0). */
     ts_log_reset();
     sp_result created = SP_OK;
-    sp_tlsf *top =
-        sp_tlsf_create(&(sp_tlsf_desc){.memory = (void *)(UINTPTR_MAX - 5), .size = 4}, &created);
+    sp_tlsf *top = sp_tlsf_create(
+        &(sp_tlsf_desc){.memory = (void *)(UINTPTR_MAX - 5), .size = 6 + sp_tlsf_control_size()},
+        &created);
     ok(!top && created == SP_ERR_OVERFLOW && ts_logged.count == 1,
        "create over memory at UINTPTR_MAX - 5: NULL, SP_ERR_OVERFLOW (%s), reported, nothing "
        "written",
+       sp_result_name(created));
+    /* A misaligned start with fewer bytes than its rounding takes wraps nothing: too small. */
+    ts_log_reset();
+    static _Alignas(16) char few[32];
+    top = sp_tlsf_create(&(sp_tlsf_desc){.memory = few + 1, .size = 4}, &created);
+    ok(!top && created == SP_ERR_TOO_SMALL && ts_logged.last_level == SP_LOG_WARN,
+       "create over 4 bytes at a misaligned start: SP_ERR_TOO_SMALL (%s), a warning",
        sp_result_name(created));
     ts_log_release();
 }
