@@ -524,13 +524,9 @@ int sp_frame_arena_buffer_of(const sp_frame_arena *a, const void *p) {
 void sp_frame_buffer_status_get(const sp_frame_arena *a, uint32_t buffer,
                                 sp_frame_buffer_status *out) {
     if (SP_NULL_ARG(out, "sp_frame_buffer_status_get", a, "out")) return;
-    if (SP_UNLIKELY(!a)) {
-        *out = (sp_frame_buffer_status){0};
-        sp_null_arg("sp_frame_buffer_status_get", NULL, "arena");
-        return;
-    }
+    *out = (sp_frame_buffer_status){0}; /* what misuse below answers, zeroed before its report */
+    if (SP_NULL_ARG(a, "sp_frame_buffer_status_get", NULL, "arena")) return;
     if (SP_UNLIKELY(buffer >= a->buffers)) {
-        *out = (sp_frame_buffer_status){0};
         sp_misuse(SP_ERR_INVALID_ARG, "sp_frame_buffer_status_get", a,
                   "buffer %u of an arena of %u buffers", buffer, a->buffers);
         return;

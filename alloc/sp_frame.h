@@ -54,9 +54,10 @@
  * Order: sp_frame_arena_create; any number of frames (allocations, then one advance); destroy.
  * Arenas are independent of each other and of the other spindle modules (no init needed).
  * A NULL arena is misuse (SP_ERR_INVALID_ARG, reported; alloc returns NULL, advance and frame
- * 0, buffer_of -1; destroy ignores it), except on the allocation fast paths of release builds,
- * which read the arena first and do not check: there, as after destroy, it is undefined (where
- * the header is compiled with SP_DEBUG >= 1, and in ASan and Valgrind builds, they check).
+ * 0, buffer_of -1; destroy ignores it). Release builds' allocation fast paths do not check:
+ * they read the arena first, and a NULL one is undefined there, as a destroyed one is
+ * everywhere (where this header is compiled with SP_DEBUG >= 1, and in ASan and Valgrind
+ * builds, they check).
  *
  * Concurrency:
  *   sp_frame_alloc, sp_frame_aligned_alloc      any number of threads and fibers at once
@@ -157,8 +158,9 @@ void sp_frame_arena_destroy(sp_frame_arena *a);
  * Returns NULL when the buffer is exhausted in SP_FRAME_OVERFLOW_NULL mode or the heap fallback
  * fails (both counted, see above; an alignment above the buffer's size cannot fit a buffer and
  * counts the same way); misuse (NULL + report, under the call made): align not a power of two
- * (SP_ERR_BAD_ALIGNMENT), size above PTRDIFF_MAX (SP_ERR_OVERFLOW). `a` must be a live arena
- * (the inline path reads it before any check). */
+ * (SP_ERR_BAD_ALIGNMENT), size above PTRDIFF_MAX (SP_ERR_OVERFLOW), a NULL arena
+ * (SP_ERR_INVALID_ARG) where the fast path checks it (see the top: not in release builds,
+ * which read `a` before any check; a destroyed arena is undefined everywhere). */
 
 /* Close the current frame, start the next one, reclaim its buffer. Closing reads the frame's
  * claim records (per thread that claimed in the arena, at most 64: a line with its chunk counts,

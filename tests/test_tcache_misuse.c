@@ -258,7 +258,9 @@ static void test_init_refusals(void) {
     if (!r) {
         ok(0, "reserve 128 MiB for the init refusals");
         ok(0, "already initialised");
+        ok(0, "aligned_alloc refusals");
         ok(0, "status out");
+        ok(0, "shutdown");
         return;
     }
     struct {
@@ -300,12 +302,12 @@ static void test_init_refusals(void) {
        "status_get(NULL) and status_local(NULL): reported (%d)", ts_logged.count);
     ts_log_release();
     sp_tcache_thread_detach();
-    sp_tcache_shutdown();
+    is_int(sp_tcache_shutdown(), 0, "shutdown after the init refusals: nothing leaked");
     sp_vm_release(r, 128 * mib);
 }
 
 int main(void) {
-    plan(54);
+    plan(55);
     test_reported();
     test_large_unlocked();
     test_fatal();
