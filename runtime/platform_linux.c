@@ -175,15 +175,19 @@ static bool huge_map_has(const void *p) {
     return false;
 }
 
-/* A release of [p, p + size) ends the reservations that begin inside it. */
-static void huge_map_remove(const void *p, size_t size) {
+/* A release of [p, p + size) ends the reservations that begin inside it. Returns the recorded
+ * length of the one at p (rounded to its huge pages, as munmap needs it), 0 if there is none. */
+static size_t huge_map_remove(const void *p, size_t size) {
+    size_t at_p = 0;
     for (int i = 0; i < HUGE_MAPS; i++) {
         uintptr_t base = __atomic_load_n(&huge_maps[i].base, __ATOMIC_ACQUIRE);
         if (base && base - (uintptr_t)p < size) {
+            if (base == (uintptr_t)p) at_p = __atomic_load_n(&huge_maps[i].size, __ATOMIC_ACQUIRE);
             __atomic_store_n(&huge_maps[i].size, 0, __ATOMIC_RELEASE);
             __atomic_store_n(&huge_maps[i].base, 0, __ATOMIC_RELEASE);
         }
     }
+    return at_p;
 }
 
 void *sp_vm_reserve(size_t size, size_t align, bool huge, sp_page_kind *granted) {
@@ -315,18 +319,9 @@ void sp_vm_release(void *p, size_t size) {
                   p, size);
         return;
     }
-    size_t rounded = size_round(size, page);
-    huge_map_remove(p, rounded);
-    if (munmap(p, rounded) == 0) return;
-    int err = errno;
-    /* A MAP_HUGETLB reservation was rounded to the huge page size, and munmap of hugetlb
-     * memory needs that length: retry once with it. */
-    size_t hsize = sp_huge_page_size();
-    if (err == EINVAL && hsize && ((uintptr_t)p & (hsize - 1)) == 0) {
-        size_t hrounded = size_round(size, hsize);
-        if (hrounded && munmap(p, hrounded) == 0) return;
-    }
-    os_fail("sp_vm_release", p, "munmap", rounded, err);
+    size_t rounded = size_round(size, page), huge = huge_map_remove(p, rounded);
+    size_t len = huge ? huge : rounded; /* a MAP_HUGETLB reservation: its recorded length */
+    if (munmap(p, len) != 0) os_fail("sp_vm_release", p, "munmap", len, errno);
 }
 
 /* ---- CPU, clocks ----------------------------------------------------------------------- */

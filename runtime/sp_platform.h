@@ -58,8 +58,8 @@ sp_result sp_vm_commit(void *p, size_t size);
  * again; the address range stays reserved, its mapping as it was (an SP_PAGES_TRANSPARENT
  * reservation keeps its transparent-huge-page advice, and committed again the range merges
  * back into one mapping with its neighbours). Contents are lost. On an SP_PAGES_HUGE
- * reservation the range is mapped afresh with base pages instead (aligned to the huge page
- * size, see sp_vm_reserve): a later commit gets base pages there. Under strict overcommit
+ * reservation (whose ranges must be aligned to the huge page size, see sp_vm_reserve) the
+ * range is mapped afresh with base pages instead: a later commit gets base pages there. Under strict overcommit
  * (vm.overcommit_memory=2) the commit charge of a range dropped in place stays until release.
  * A range that is not all mapped (released, never reserved): SP_ERR_OS, logged, nothing
  * mapped there. */
