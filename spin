@@ -59,7 +59,8 @@ usage: ./spin COMMAND [ARGS]
                        Valgrind, the aarch64 cross build (compiled, not run), libFuzzer
                        (fuzz); ends with the line "N passed, N failed"; exit status non-zero
                        if anything failed; configure, build and test commands stop after
-                       SPIN_BUDGET seconds (default 1380) in all
+                       SPIN_BUDGET seconds (default 1380) in all; with CI set, also the
+                       platform test with explicit huge pages where the pool can be sized
   bench [AREA...] [FLAGS]
                        release build, then bench/run build-release AREA [FLAGS] for each
                        AREA (default: every bench_AREA executable built); FLAGS such as
@@ -296,10 +297,11 @@ test_step() {
     record "$name" "$rc" "$dir/meson-logs/$logbase.json"
 }
 
-# hugetlb_step DIR: the platform test once more with a pool of (up to 8) explicit huge pages,
-# whose decommit case (a bug of 2026-11-23, 3d71943) skips without one, and no machine has one
-# by default. Only where the pool can be sized (root, a writable /proc/sys); the old size is put
-# back, also when the run is stopped during the step (an EXIT trap).
+# hugetlb_step DIR: the platform test once more with a pool of at least 8 explicit huge pages
+# (the old size if larger), whose decommit case (a bug of 2026-11-23, 3d71943) skips without
+# one, and no machine has one by default. Only where the pool can be sized (root, a writable
+# /proc/sys); the old size is put back, also when the run exits during the step (an EXIT trap:
+# not after SIGKILL).
 hugetlb_step() {
     local pool=/proc/sys/vm/nr_hugepages old
     old=$(cat "$pool" 2>/dev/null) || old=
