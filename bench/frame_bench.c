@@ -92,15 +92,17 @@ typedef struct worker_ctx {
     const uint32_t *sizes;
     uint32_t n;
     void **slots[2]; /* the blocks of the last two frames: [frame % 2] */
-    char *own[2];    /* bump: its buffers, BUMP_BYTES each: [frame % 2] */
+    char *own;       /* bump: its two buffers, BUMP_BYTES each, frame % 2 the one in use */
     atomic_int *arrived;
     uint32_t threads;
     uint64_t frame;      /* frames this thread ran (the same on every thread) */
     uint64_t ns, t0, t1; /* time in jobs so far; this frame's start and end */
 } worker_ctx;
 
-/* A frame's blocks at most: 4,096 of at most 256 bytes. */
+/* A frame's blocks at most: 4,096 of at most 256 bytes. bump_alloc's check of the end never
+ * fails here; it stands for the compare every bump allocator makes, the arena's included. */
 #define BUMP_BYTES ((size_t)1 << 20)
+_Static_assert(4096 * 256 <= BUMP_BYTES, "a frame's blocks fit a bump buffer");
 
 static inline __attribute__((always_inline)) void *bump_alloc(char **cur, const char *end,
                                                               size_t size) {
@@ -118,7 +120,7 @@ static inline __attribute__((always_inline)) void frame_work(who w, worker_ctx *
     const uint32_t *sizes = x->sizes;
     const uint32_t n = x->n;
     sp_frame_arena *arena = x->arena;
-    char *cur = x->own[x->frame % 2];
+    char *cur = w == BUMP ? x->own + (x->frame % 2) * BUMP_BYTES : NULL;
     const char *end = w == BUMP ? cur + BUMP_BYTES : NULL;
     if (w == TCACHE)
         for (uint32_t i = 0; i < n; i++) sp_tcache_free(slot[i]);
@@ -202,10 +204,13 @@ static void run_alloc(bench_state *st, const void *varg) {
     region mem, own_mem = {0};
     uint32_t *sizes = region_get(&mem, (size_t)W * n * (sizeof(uint32_t) + 2 * sizeof(void *)));
     char *own = a->w == BUMP ? region_get(&own_mem, (size_t)W * 2 * BUMP_BYTES) : NULL;
-    const char *why = !sizes || (a->w == BUMP && !own) ? "harness memory"
-                      : a->w == ARENA && !(arena = sp_frame_arena_create(NULL, NULL))
-                          ? "sp_frame_arena_create failed"
-                          : NULL;
+    const char *why = NULL;
+    if (!sizes || (a->w == BUMP && !own)) {
+        why = "harness memory";
+    } else if (a->w == ARENA) {
+        arena = sp_frame_arena_create(NULL, NULL);
+        if (!arena) why = "sp_frame_arena_create failed";
+    }
     if (why) {
         region_put(&own_mem);
         region_put(&mem);
@@ -228,7 +233,7 @@ static void run_alloc(bench_state *st, const void *varg) {
                             .slots = {slots + (size_t)t * 2 * n, slots + (size_t)t * 2 * n + n},
                             .arrived = &arrived,
                             .threads = W};
-        for (int b = 0; own && b < 2; b++) x[t].own[b] = own + ((size_t)t * 2 + b) * BUMP_BYTES;
+        if (own) x[t].own = own + (size_t)t * 2 * BUMP_BYTES;
         jobs[t] = (sp_job_desc){
             .fn = alloc_job, .arg = &x[t], .name = "alloc", .pinned = true, .worker = t};
     }
@@ -254,8 +259,10 @@ static void run_alloc(bench_state *st, const void *varg) {
         bench_counter(st, "wall_ns_per_alloc", (double)wall_ns / (allocs * W), 0);
         bench_counter(st, "advance_ns", (double)advance_ns / (double)timed_frames, 0);
         bench_counter(st, "main_job_ns", (double)x[0].ns / (double)timed_frames, 0);
-        if (W > 1) bench_counter(st, "worker_job_ns", (double)x[1].ns / (double)timed_frames, 0);
-        if (W > 1) bench_counter(st, "workers_pinned", js.workers_pinned, 0);
+        if (W > 1) {
+            bench_counter(st, "worker_job_ns", (double)x[1].ns / (double)timed_frames, 0);
+            bench_counter(st, "workers_pinned", js.workers_pinned, 0);
+        }
     } else {
         bench_skip_with_error(st, "a submit or wait failed");
     }
