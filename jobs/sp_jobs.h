@@ -133,8 +133,10 @@ typedef struct sp_jobs_desc {
                              worker per CPU, the lowest left to the main thread while workers
                              < CPUs (with as many workers as CPUs, the default, the last
                              shares it). The main thread is not pinned: to keep it there, pin
-                             it after create (sp_thread_pin(sp_thread_self(), sp_cpu_nth(0))),
-                             not before, which would leave every worker that one CPU. A pinned
+                             it after create (sp_thread_pin(sp_thread_self(), sp_cpu_nth(0));
+                             where the mask cannot be read, sp_cpu_nth gives SP_CPU_ANY and the
+                             pin changes nothing), not before, which would leave every worker
+                             that one CPU. A pinned
                              start that fails (a CPU the OS refuses, or the mask unreadable) is
                              logged (warning) and the worker started unpinned; if that fails
                              too, create fails. sp_jobs_status.workers_pinned counts the
