@@ -59,10 +59,10 @@ sp_result sp_vm_commit(void *p, size_t size);
  * reservation keeps its transparent-huge-page advice, and committed again the range merges
  * back into one mapping with its neighbours). Contents are lost. On an SP_PAGES_HUGE
  * reservation (whose ranges must be aligned to the huge page size, see sp_vm_reserve) the
- * range is mapped afresh with base pages instead: a later commit gets base pages there. Under strict overcommit
- * (vm.overcommit_memory=2) the commit charge of a range dropped in place stays until release.
- * A range that is not all mapped (released, never reserved): SP_ERR_OS, logged, nothing
- * mapped there. */
+ * range is mapped afresh with base pages instead: a later commit gets base pages there.
+ * Under strict overcommit (vm.overcommit_memory=2) the commit charge of a range dropped in
+ * place stays until release. A range that is not all mapped (released, never reserved):
+ * SP_ERR_OS, logged, nothing mapped there. */
 sp_result sp_vm_decommit(void *p, size_t size);
 
 /* Drop the pages of committed [p, p+size) (MADV_DONTNEED): the range stays readable and
