@@ -15,27 +15,28 @@
  * A thread first asks for the chunks it had in the buffer's previous frame, in the same order
  * (memory its own core wrote last: threads do not trade cache lines across frames), and gets
  * them without touching anything shared. What makes that safe: each thread keeps the list of
- * its claims in a claim record of its own (see claim_record); when the buffer
- * closes, `reserved` becomes one past the highest chunk on the records of that frame, and the
- * chunks below it that no record kept become the buffer's holes. When the buffer comes round,
- * a chunk below reserved goes only to the thread whose record asks for it: those records,
- * written in the buffer's previous frame, are disjoint (each chunk had one owner then). Every
- * other claim is fresh: one atomic add on the bump word, whose lo counts fresh claims: the
- * first hole_count of them take the holes, the rest the chunks from reserved up. A record
- * entry at or above reserved, a record older than the buffer's previous frame, or a thread
- * without a record (RECORDS per arena, one per thread) takes a fresh chunk too.
+ * its claims in a claim record of its own (see claim_record); when the buffer closes,
+ * `reserved` becomes one past the highest chunk on the records of that frame, and the chunks
+ * below it that no record kept become the buffer's holes. When the buffer comes round, a chunk
+ * below reserved goes only to the thread whose record asks for it: those records, written in
+ * the buffer's previous frame, are disjoint (each chunk had one owner then). Every other claim
+ * is fresh: one atomic add on the bump word, whose lo counts fresh claims: the first
+ * hole_count of them take the holes, the rest the chunks from reserved up. A record entry at
+ * or above reserved, a record older than the buffer's previous frame, or a thread without a
+ * record (RECORDS per arena, one per thread) takes a fresh chunk too. A frame without a fresh
+ * claim changes no list but to shorten it, so its close may keep the reservation it had
+ * instead of reading the records (sp_frame_arena_advance).
  *
  * The bump word: lo in the low LO_BITS; hi, the byte offset where the direct ranges begin,
  * above. The chunks that may be in use lie below floor = reserved + max(0, lo - hole_count).
  * Invariants: floor * chunk_size <= hi, except for fresh claims racing past the end (refused,
  * and lo <= chunks + threads < 2^LO_BITS); every direct range lies at or above hi. So chunks
  * and direct ranges never overlap; a reserved chunk whose thread does not come back for it is
- * lost until the reclaim (a hole the next time round). More than MAX_HOLES holes, or a kept
- * chunk in the upper half of the buffer: the next round reserves nothing (every claim fresh;
- * the records' lists then refill), so that the upper half of a buffer is never held for
- * threads that may not come back. A thread holds
- * one record index per arena for the arena's life: the first RECORDS threads to claim get
- * one. */
+ * lost until the reclaim (a hole the next time round, once a close has read the records).
+ * More than MAX_HOLES holes, or a kept chunk in the upper half of the buffer: the next round
+ * reserves nothing (every claim fresh; the records' lists then refill), so that the upper half
+ * of a buffer is never held for threads that may not come back. A thread holds one record
+ * index per arena for the arena's life: the first RECORDS threads to claim get one. */
 #define LO_BITS 20
 #define LO_MASK ((UINT64_C(1) << LO_BITS) - 1)
 #define MAX_CAPACITY ((size_t)1 << 42)
@@ -64,7 +65,8 @@ typedef struct frame_buffer {
     size_t overflows, overflow_bytes; /* atomic */
     uint32_t *holes;                  /* MAX_HOLES */
     uint32_t reserved, hole_count;
-    uint32_t floor; /* chunk_floor at its close: the chunks its frame may have used */
+    uint32_t floor;   /* chunk_floor at its close: the chunks its frame may have used */
+    uint32_t counted; /* chunks claimed in its frame of the last close that read the records */
 } frame_buffer;
 
 /* One thread's claims in every buffer of an arena, on a line of its own: written by that
@@ -491,14 +493,30 @@ uint64_t sp_frame_arena_advance(sp_frame_arena *a, sp_frame_buffer_status *close
         sp_null_arg("sp_frame_arena_advance", NULL, "arena");
         return 0;
     }
-    frame_buffer *b = &a->buf[a->current];
-    size_t top = 0;
-    sp_frame_buffer_status st;
-    status_fill(a, a->current, claims_count(a, a->current, a->marks, &top), &st);
-    a->buf_peak[a->current] = st.peak;
-    if (closed) *closed = st;
-    b->floor = (uint32_t)chunk_floor(b, __atomic_load_n(&b->word, __ATOMIC_RELAXED));
-    reserve_next(a, b, top);
+    uint32_t i = a->current;
+    frame_buffer *b = &a->buf[i];
+    uint64_t w = __atomic_load_n(&b->word, __ATOMIC_RELAXED);
+    /* A frame without a fresh claim (lo 0) had every claim get back a chunk kept for its
+     * thread, in the order of its thread's last frame in the buffer: each thread kept a prefix
+     * of what it kept then, and claimed at most as many chunks. So the reservation in force
+     * still covers every chunk the next round may ask back (it keeps more only when a thread
+     * claimed less or not at all: those chunks stay lost until a close reads the records), and
+     * the frame's chunks are at most `counted`: with its direct part, at most the peak, which
+     * then stands. Such a close reads no thread's record unless the caller asks for the
+     * status: in a steady frame loop, no line another thread wrote in the frame (each record
+     * would cost a cache-line transfer from its thread and back; bench/README.md, "The close
+     * without the records"). */
+    size_t direct = a->capacity - word_hi(w);
+    if (closed || word_lo(w) != 0 || (size_t)b->counted * a->chunk_size + direct > a->buf_peak[i]) {
+        size_t top = 0, chunks = claims_count(a, i, a->marks, &top);
+        sp_frame_buffer_status st;
+        status_fill(a, i, chunks, &st);
+        a->buf_peak[i] = st.peak;
+        b->counted = (uint32_t)chunks;
+        if (closed) *closed = st;
+        reserve_next(a, b, top);
+    }
+    b->floor = (uint32_t)chunk_floor(b, w);
     a->frame++;
     a->current = (uint32_t)(a->frame % a->buffers);
     b = &a->buf[a->current];

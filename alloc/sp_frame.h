@@ -13,12 +13,13 @@
  * chunks for it), so in a steady frame loop each thread writes memory its own core wrote last
  * (why: bench/README.md, "Sticky chunks"); otherwise it takes a fresh chunk, one atomic add: a
  * chunk that nobody asked to keep, or the next one up. A kept chunk whose thread does not come
- * back for it is lost for that frame; chunks are kept only in the lower half of a buffer (when a
- * thread kept one above, the buffer's next round keeps none and every claim is fresh). An arena has
- * records for 64 threads (a thread keeps its record for the arena's life, also when it alternates
- * with another arena of its slot); threads beyond claim fresh chunks only, each counted by an
- * atomic add. A request of any size that fits the rest of the thread's chunk comes from it; one
- * that does not and is above chunk_size / 4 (or aligned above it), and the last bytes of a full
+ * back for it is lost for that frame (and for the buffer's later frames while their closes keep
+ * the reservation: see sp_frame_arena_advance); chunks are kept only in the lower half of a buffer
+ * (when a thread kept one above, the buffer's next round keeps none and every claim is fresh). An
+ * arena has records for 64 threads (a thread keeps its record for the arena's life, also when it
+ * alternates with another arena of its slot); threads beyond claim fresh chunks only, each counted
+ * by an atomic add. A request of any size that fits the rest of the thread's chunk comes from it;
+ * one that does not and is above chunk_size / 4 (or aligned above it), and the last bytes of a full
  * buffer, take their own range from the top down (a compare-exchange loop). The calling thread's
  * chunk is found on every call through a fresh thread-pointer read (SP_TLS_FRESH, as the thread
  * caches do), never from an address kept across a call: a job that waits and resumes on another
@@ -166,11 +167,17 @@ void sp_frame_arena_destroy(sp_frame_arena *a);
  * claim records (per thread that claimed in the arena, at most 64: a line with its chunk counts,
  * and for the closing buffer the list of chunks it keeps) and lists the chunks nobody kept below
  * the highest kept one, for fresh claims the next time round (O(threads + highest kept chunk / 64 +
- * those chunks)); the reclaim resets the bump state and counts in O(1), frees the heap-fallback
- * blocks of that buffer (O(their count)), and in debug builds fills or poisons the used part
- * (O(bytes used)). Fills *closed (if not NULL) with the closing frame's buffer status. Returns the
- * new frame number (frame 0 is the first). See the concurrency table: no allocation from this arena
- * may run during the call. */
+ * those chunks)). A close with closed NULL skips that when no claim of the frame was fresh
+ * (every thread that claimed got back chunks kept for it) and the frame cannot have raised the
+ * buffer's peak: the buffer keeps the reservation it had, which still covers every chunk the
+ * next round may ask back, and the close touches no line another thread wrote in the frame (in a
+ * steady frame loop, the usual case; bench/README.md, "The close without the records"). The
+ * chunks of a thread that did not come back then stay kept until a close that reads the records.
+ * Status and peak stay exact (sp_frame_buffer_status_get reads the records). The reclaim resets the
+ * bump state and counts in O(1), frees the heap-fallback blocks of that buffer (O(their count)),
+ * and in debug builds fills or poisons the used part (O(bytes used)). Fills *closed (if not NULL)
+ * with the closing frame's buffer status. Returns the new frame number (frame 0 is the first). See
+ * the concurrency table: no allocation from this arena may run during the call. */
 uint64_t sp_frame_arena_advance(sp_frame_arena *a, sp_frame_buffer_status *closed);
 
 /* The current frame number. O(1). */

@@ -2,7 +2,9 @@
  * scheduler: lifetime (frame i's data intact through frame i+N-1, its buffer reused at i+N),
  * buffer_of, an alignment sweep, chunk boundaries, large requests, overflow in both modes
  * (heap blocks freed exactly once, at reclaim), status figures, given regions, chunk slots,
- * misuse reports, the debug fill, and jobs that wait and resume on another worker. */
+ * misuse reports, the debug fill, jobs that wait and resume on another worker, sticky chunks,
+ * threads that come and go, and closes that keep the reservation without reading the claim
+ * records (with a randomized check of 4 threads whose claims change from frame to frame). */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <string.h>
@@ -932,8 +934,203 @@ static void test_churn(void) {
     sp_frame_arena_destroy(y);
 }
 
+/* ---- closes that do not read the records --------------------------------------------- */
+
+/* A thread that allocates 16 bytes from helper_arena on each call of helper_alloc. */
+static pthread_barrier_t helper_bar;
+static sp_frame_arena *helper_arena;
+static char *helper_got;
+static bool helper_quit;
+
+static void *helper_thread(void *arg) {
+    (void)arg;
+    for (;;) {
+        pthread_barrier_wait(&helper_bar);
+        if (helper_quit) return NULL;
+        helper_got = sp_frame_alloc(helper_arena, 16);
+        pthread_barrier_wait(&helper_bar);
+    }
+}
+
+static char *helper_alloc(sp_frame_arena *a) {
+    helper_arena = a;
+    pthread_barrier_wait(&helper_bar);
+    pthread_barrier_wait(&helper_bar);
+    return helper_got;
+}
+
+/* A close without a fresh claim and without a status asked for keeps the reservation it had:
+ * the main thread and a helper claim in frame 0; in frame 2 only the main thread comes back
+ * (its kept chunk: no fresh claim), and the helper's chunk stays kept, so its fresh claim in
+ * frame 4 lies above it; the close of frame 4 reads the records and a new thread takes the
+ * chunk in frame 6. With the status asked for at frame 2's close, the helper's chunk is free at
+ * once. The status of a buffer so closed is exact all the same, and so is its peak. */
+static void test_close_unread(void) {
+    pthread_barrier_init(&helper_bar, NULL, 2);
+    pthread_t t;
+    pthread_create(&t, NULL, helper_thread, NULL);
+    char *got[2][5];
+    sp_frame_buffer_status st[2];
+    for (int ask = 0; ask < 2; ask++) {
+        sp_frame_arena *a = make(2, 1u << 20, 1024, SP_FRAME_OVERFLOW_NULL);
+        sp_frame_buffer_status closed;
+        got[ask][0] = sp_frame_alloc(a, 16); /* frame 0: chunk 0 */
+        got[ask][1] = helper_alloc(a);       /* chunk 1 */
+        sp_frame_arena_advance(a, NULL);
+        sp_frame_arena_advance(a, NULL);
+        got[ask][2] = sp_frame_alloc(a, 16); /* frame 2: chunk 0 again */
+        sp_frame_arena_advance(a, ask ? &closed : NULL);
+        sp_frame_buffer_status_get(a, 0, &st[ask]);
+        sp_frame_arena_advance(a, NULL);
+        got[ask][3] = helper_alloc(a); /* frame 4: the helper claims fresh */
+        sp_frame_alloc(a, 16);
+        sp_frame_arena_advance(a, NULL);
+        sp_frame_arena_advance(a, NULL);
+        churn_arena = a;
+        churn_n = 1;
+        got[ask][4] = churn_alloc_on_new_thread(); /* frame 6: a new thread, fresh */
+        sp_frame_arena_destroy(a);
+    }
+    helper_quit = true;
+    pthread_barrier_wait(&helper_bar);
+    pthread_join(t, NULL);
+    pthread_barrier_destroy(&helper_bar);
+    ptrdiff_t off[2][4];
+    for (int ask = 0; ask < 2; ask++)
+        for (int k = 1; k < 5; k++) off[ask][k - 1] = got[ask][k] - got[ask][0];
+    ok(off[0][0] == 1024 && off[0][1] == 0 && off[0][2] == 2048 && off[0][3] == 1024,
+       "a close with no fresh claim and no status asked for keeps a chunk whose thread did not "
+       "come back: its fresh claim lies above it, and the next close frees it (%td %td %td %td)",
+       off[0][0], off[0][1], off[0][2], off[0][3]);
+    ok(off[1][0] == 1024 && off[1][1] == 0 && off[1][2] == 1024 && off[1][3] == 2048,
+       "the same close with its status asked for frees the chunk at once (%td %td %td %td)",
+       off[1][0], off[1][1], off[1][2], off[1][3]);
+    ok(st[0].frame == 2 && st[0].chunks == 1 && st[0].bytes_used == 1024 && st[0].peak == 2048 &&
+           memcmp(&st[0], &st[1], sizeof st[0]) == 0,
+       "the status of a buffer so closed is exact (frame %llu, chunks %zu, used %zu, peak %zu)",
+       (unsigned long long)st[0].frame, st[0].chunks, st[0].bytes_used, st[0].peak);
+
+    /* A frame with no fresh claim whose direct part may raise the peak reads the records;
+     * one whose chunks and direct part cannot does not, and the peak stands. */
+    sp_frame_arena *a = make(2, 1u << 20, 1024, SP_FRAME_OVERFLOW_NULL);
+    sp_frame_alloc(a, 16); /* frame 0: chunk 0, peak 1024 */
+    sp_frame_arena_advance(a, NULL);
+    sp_frame_arena_advance(a, NULL);
+    sp_frame_alloc(a, 16);   /* frame 2: chunk 0 again */
+    sp_frame_alloc(a, 2000); /* direct: 1024 + 2000 */
+    sp_frame_arena_advance(a, NULL);
+    sp_frame_buffer_status s2, s4;
+    sp_frame_buffer_status_get(a, 0, &s2);
+    sp_frame_arena_advance(a, NULL);
+    sp_frame_alloc(a, 16);   /* frame 4: chunk 0 again */
+    sp_frame_alloc(a, 1010); /* above the chunk's rest: direct, 1024 */
+    sp_frame_arena_advance(a, NULL);
+    sp_frame_arena_advance(a, NULL);
+    sp_frame_alloc(a, 16); /* frame 6: chunk 0 again */
+    sp_frame_arena_advance(a, NULL);
+    sp_frame_buffer_status_get(a, 0, &s4);
+    ok(s2.bytes_used == 3024 && s2.peak == 3024 && s4.frame == 6 && s4.bytes_used == 1024 &&
+           s4.peak == 3024,
+       "peaks: a direct part that may raise it is counted (%zu, peak %zu); later frames below it "
+       "leave it (used %zu, peak %zu)",
+       s2.bytes_used, s2.peak, s4.bytes_used, s4.peak);
+    sp_frame_arena_destroy(a);
+}
+
+/* Threads that come and go and claim more or fewer chunks from frame to frame, on 2 and 3
+ * buffers, the closes mostly without the status: no two blocks of a frame ever overlap, and
+ * every block lies in its frame's buffer. Runs under ThreadSanitizer (frame_tsan). */
+enum { RAND_THREADS = 4, RAND_FRAMES = 400, RAND_MAX_BLOCKS = 256 };
+static pthread_barrier_t rand_bar;
+static sp_frame_arena *rand_arena;
+static uint32_t rand_count[RAND_THREADS]; /* blocks this frame (0: the thread sits it out) */
+static uint32_t rand_size[RAND_THREADS];
+static char *rand_got[RAND_THREADS][RAND_MAX_BLOCKS];
+static bool rand_quit;
+
+static void *rand_thread(void *arg) {
+    int me = (int)(intptr_t)arg;
+    for (;;) {
+        pthread_barrier_wait(&rand_bar);
+        if (rand_quit) return NULL;
+        for (uint32_t i = 0; i < rand_count[me]; i++) {
+            char *p = sp_frame_alloc(rand_arena, rand_size[me]);
+            if (p) memset(p, me + 1, rand_size[me]);
+            rand_got[me][i] = p;
+        }
+        pthread_barrier_wait(&rand_bar);
+    }
+}
+
+typedef struct rand_block {
+    uintptr_t p, n;
+} rand_block;
+
+static int rand_block_cmp(const void *x, const void *y) {
+    const rand_block *a = x, *b = y;
+    return a->p < b->p ? -1 : a->p > b->p;
+}
+
+static void test_close_unread_random(void) {
+    pthread_barrier_init(&rand_bar, NULL, RAND_THREADS + 1);
+    pthread_t t[RAND_THREADS];
+    for (int i = 0; i < RAND_THREADS; i++)
+        pthread_create(&t[i], NULL, rand_thread, (void *)(intptr_t)i);
+    static rand_block blocks[RAND_THREADS * RAND_MAX_BLOCKS];
+    ts_rng rng;
+    ts_rng_seed(&rng, 0xc105e);
+    int overlaps = 0, misplaced = 0, missing = 0, damaged = 0;
+    for (uint32_t nbuf = 2; nbuf <= 3; nbuf++) {
+        /* 1 KiB chunks, 128 a buffer: a thread takes 1 to 4 chunks a frame. */
+        rand_arena = make(nbuf, (size_t)nbuf << 17, 1024, SP_FRAME_OVERFLOW_NULL);
+        uint32_t usual[RAND_THREADS];
+        for (int i = 0; i < RAND_THREADS; i++) usual[i] = (uint32_t)ts_rng_range(&rng, 1, 4);
+        for (uint32_t f = 0; f < RAND_FRAMES; f++) {
+            for (int i = 0; i < RAND_THREADS; i++) {
+                /* Mostly the same frame as the last (every claim gets its chunk back),
+                 * sometimes another number of chunks, sometimes none. */
+                uint64_t k = ts_rng_range(&rng, 0, 15);
+                uint32_t chunks = k < 12   ? usual[i]
+                                  : k < 14 ? (uint32_t)ts_rng_range(&rng, 1, 4)
+                                           : 0;
+                if (k == 12) usual[i] = chunks;
+                rand_size[i] = 64;
+                rand_count[i] = chunks * 16 - (uint32_t)ts_rng_range(&rng, 0, 8) * (chunks > 0);
+            }
+            pthread_barrier_wait(&rand_bar);
+            pthread_barrier_wait(&rand_bar);
+            size_t n = 0;
+            for (int i = 0; i < RAND_THREADS; i++)
+                for (uint32_t j = 0; j < rand_count[i]; j++) {
+                    char *p = rand_got[i][j];
+                    if (!p) {
+                        missing++;
+                        continue;
+                    }
+                    misplaced += sp_frame_arena_buffer_of(rand_arena, p) != (int)(f % nbuf);
+                    damaged += !ts_filled((const uint8_t *)p, rand_size[i], (uint8_t)(i + 1));
+                    blocks[n++] = (rand_block){(uintptr_t)p, rand_size[i]};
+                }
+            qsort(blocks, n, sizeof blocks[0], rand_block_cmp);
+            for (size_t j = 1; j < n; j++)
+                overlaps += blocks[j - 1].p + blocks[j - 1].n > blocks[j].p;
+            sp_frame_buffer_status closed;
+            sp_frame_arena_advance(rand_arena, ts_rng_range(&rng, 0, 7) == 0 ? &closed : NULL);
+        }
+        sp_frame_arena_destroy(rand_arena);
+    }
+    rand_quit = true;
+    pthread_barrier_wait(&rand_bar);
+    for (int i = 0; i < RAND_THREADS; i++) pthread_join(t[i], NULL);
+    pthread_barrier_destroy(&rand_bar);
+    ok(overlaps == 0 && misplaced == 0 && missing == 0 && damaged == 0,
+       "%d threads, %d frames on 2 and 3 buffers, claims changing from frame to frame: no "
+       "overlap (%d), none outside its buffer (%d), none refused (%d), none damaged (%d)",
+       RAND_THREADS, RAND_FRAMES, overlaps, misplaced, missing, damaged);
+}
+
 int main(void) {
-    plan(60);
+    plan(65);
     for (uint32_t n = 1; n <= 4; n++) test_lifetime(n);
     test_alignment();
     test_chunks();
@@ -948,6 +1145,8 @@ int main(void) {
     test_generation_blocks();
     test_sticky();
     test_churn();
+    test_close_unread();
+    test_close_unread_random();
     test_misuse();
     test_debug_fill();
     test_migration();
