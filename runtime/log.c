@@ -107,10 +107,9 @@ void sp_fatal_set(sp_fatal_fn fn, void *user) {
  * (that recursed until the stack ran out). */
 static _Thread_local bool in_logger;
 
+/* A record whose message is formatted already, to the installed logger (or stderr). */
 static void log_emit(sp_log_level level, sp_result id, const char *call, const void *addr,
-                     const char *fmt, va_list ap) {
-    char msg[512];
-    vsnprintf(msg, sizeof msg, fmt, ap);
+                     const char *msg) {
     sp_log_record rec = {level, id, call, addr, msg};
     uintptr_t fn, user;
     sink_get(&log_sink, &fn, &user);
@@ -125,10 +124,12 @@ static void log_emit(sp_log_level level, sp_result id, const char *call, const v
 
 void sp_log(sp_log_level level, sp_result id, const char *call, const void *addr, const char *fmt,
             ...) {
+    char msg[512];
     va_list ap;
     va_start(ap, fmt);
-    log_emit(level, id, call, addr, fmt, ap);
+    vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
+    log_emit(level, id, call, addr, msg);
 }
 
 static _Noreturn void die_with(sp_log_record *rec) {
@@ -143,7 +144,7 @@ static void report_v(sp_log_level level, sp_result id, const char *call, const v
                      bool fatal, const char *fmt, va_list ap) {
     char msg[512];
     vsnprintf(msg, sizeof msg, fmt, ap);
-    sp_log(level, id, call, addr, "%s", msg);
+    log_emit(level, id, call, addr, msg);
     if (fatal) {
         sp_log_record rec = {SP_LOG_FATAL, id, call, addr, msg};
         die_with(&rec);
