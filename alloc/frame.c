@@ -32,7 +32,8 @@
  * Invariants: floor * chunk_size <= hi, except for fresh claims racing past the end (refused,
  * and lo <= chunks + threads < 2^LO_BITS); every direct range lies at or above hi. So chunks
  * and direct ranges never overlap; a reserved chunk whose thread does not come back for it is
- * lost until the reclaim (a hole the next time round, once a close has read the records).
+ * lost to chunks and direct ranges until a close reads the records (then it is a hole the next
+ * time round).
  * More than MAX_HOLES holes, or a kept chunk in the upper half of the buffer: the next round
  * reserves nothing (every claim fresh; the records' lists then refill), so that the upper half
  * of a buffer is never held for threads that may not come back. A thread holds one record
@@ -496,18 +497,21 @@ uint64_t sp_frame_arena_advance(sp_frame_arena *a, sp_frame_buffer_status *close
     uint32_t i = a->current;
     frame_buffer *b = &a->buf[i];
     uint64_t w = __atomic_load_n(&b->word, __ATOMIC_RELAXED);
+    b->floor = (uint32_t)chunk_floor(b, w); /* from the reservation this frame had */
     /* A frame without a fresh claim (lo 0) had every claim get back a chunk kept for its
      * thread, in the order of its thread's last frame in the buffer: each thread kept a prefix
      * of what it kept then, and claimed at most as many chunks. So the reservation in force
      * still covers every chunk the next round may ask back (it keeps more only when a thread
-     * claimed less or not at all: those chunks stay lost until a close reads the records), and
-     * the frame's chunks are at most `counted`: with its direct part, at most the peak, which
-     * then stands. Such a close reads no thread's record unless the caller asks for the
-     * status: in a steady frame loop, no line another thread wrote in the frame (each record
-     * would cost a cache-line transfer from its thread and back; bench/README.md, "The close
-     * without the records"). */
+     * claimed less or not at all: those chunks stay lost, to chunks and direct ranges alike,
+     * until a close reads the records), and the frame's chunks are at most `counted`: with its
+     * direct part, at most the peak, which then stands. Such a close reads no thread's record
+     * unless the caller asks for the status or a request of the frame overflowed (lost chunks
+     * may be what it lacked): in a steady frame loop, no line another thread wrote in the frame
+     * (each record would cost a cache-line transfer from its thread and back; bench/README.md,
+     * "The close without the records"). */
     size_t direct = a->capacity - word_hi(w);
-    if (closed || word_lo(w) != 0 || (size_t)b->counted * a->chunk_size + direct > a->buf_peak[i]) {
+    if (closed || word_lo(w) != 0 || __atomic_load_n(&b->overflows, __ATOMIC_RELAXED) != 0 ||
+        (size_t)b->counted * a->chunk_size + direct > a->buf_peak[i]) {
         size_t top = 0, chunks = claims_count(a, i, a->marks, &top);
         sp_frame_buffer_status st;
         status_fill(a, i, chunks, &st);
@@ -516,7 +520,6 @@ uint64_t sp_frame_arena_advance(sp_frame_arena *a, sp_frame_buffer_status *close
         if (closed) *closed = st;
         reserve_next(a, b, top);
     }
-    b->floor = (uint32_t)chunk_floor(b, w);
     a->frame++;
     a->current = (uint32_t)(a->frame % a->buffers);
     b = &a->buf[a->current];

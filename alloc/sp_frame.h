@@ -168,11 +168,13 @@ void sp_frame_arena_destroy(sp_frame_arena *a);
  * and for the closing buffer the list of chunks it keeps) and lists the chunks nobody kept below
  * the highest kept one, for fresh claims the next time round (O(threads + highest kept chunk / 64 +
  * those chunks)). A close with closed NULL skips that when no claim of the frame was fresh
- * (every thread that claimed got back chunks kept for it) and the frame cannot have raised the
- * buffer's peak: the buffer keeps the reservation it had, which still covers every chunk the
- * next round may ask back, and the close touches no line another thread wrote in the frame (in a
- * steady frame loop, the usual case; bench/README.md, "The close without the records"). The
- * chunks of a thread that did not come back then stay kept until a close that reads the records.
+ * (every thread that claimed got back chunks kept for it), no request of the frame overflowed,
+ * and the frame cannot have raised the buffer's peak: the buffer keeps the reservation it had,
+ * which still covers every chunk the next round may ask back, and the close touches no line
+ * another thread wrote in the frame (in a steady frame loop, the usual case; bench/README.md,
+ * "The close without the records"). The chunks kept for a thread that did not come back then
+ * stay lost, to chunks and direct ranges alike, until a close reads the records (the first
+ * fresh claim or overflow in the buffer, or a close asked for the status, brings one about).
  * Status and peak stay exact (sp_frame_buffer_status_get reads the records). The reclaim resets the
  * bump state and counts in O(1), frees the heap-fallback blocks of that buffer (O(their count)),
  * and in debug builds fills or poisons the used part (O(bytes used)). Fills *closed (if not NULL)

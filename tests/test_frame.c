@@ -4,7 +4,8 @@
  * (heap blocks freed exactly once, at reclaim), status figures, given regions, chunk slots,
  * misuse reports, the debug fill, jobs that wait and resume on another worker, sticky chunks,
  * threads that come and go, and closes that keep the reservation without reading the claim
- * records (with a randomized check of 4 threads whose claims change from frame to frame). */
+ * records (with a randomized check of 4 threads whose claims change from frame to frame; an
+ * overflow that makes the close read them; the reclaim after a close that reserved less). */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <string.h>
@@ -1037,6 +1038,74 @@ static void test_close_unread(void) {
     sp_frame_arena_destroy(a);
 }
 
+/* A request that overflowed because chunks kept for a thread that did not come back held the
+ * space makes its close read the records: the main thread claims chunk 0 in frame 0, a helper
+ * chunks 1-3 and goes; from frame 2 on the main thread takes chunk 0 back (no fresh claim) and
+ * asks for 6,000 B, which fits above chunk 0 but not above chunk 3: it fails once, not in every
+ * frame. */
+static void *claim_three(void *arg) {
+    for (int i = 0; i < 12; i++) sp_frame_alloc(arg, 256);
+    return NULL;
+}
+
+static void test_close_after_overflow(void) {
+    sp_frame_arena *a = make(2, 2 * 8192, 1024, SP_FRAME_OVERFLOW_NULL);
+    sp_frame_alloc(a, 16);
+    pthread_t t;
+    pthread_create(&t, NULL, claim_three, a);
+    pthread_join(t, NULL);
+    sp_frame_arena_advance(a, NULL);
+    sp_frame_arena_advance(a, NULL);
+    int failed = 0;
+    ts_log_capture();
+    for (int f = 2; f < 40; f += 2) {
+        sp_frame_alloc(a, 16);
+        failed += sp_frame_alloc(a, 6000) == NULL;
+        sp_frame_arena_advance(a, NULL);
+        sp_frame_arena_advance(a, NULL);
+    }
+    ts_log_release();
+    ok(failed == 1,
+       "chunks kept for a thread that did not come back hold a request out once: its overflow "
+       "makes the close read the records (%d of 19 frames failed)",
+       failed);
+    sp_frame_arena_destroy(a);
+}
+
+/* The reclaim fills (debug) or poisons (ASan) every chunk its frame used, also after a close
+ * that read the records and reserved less for the next round: one thread, 8 chunks of 1 KiB;
+ * frame 0 takes chunks 0-3, frame 2 takes them back and a fresh chunk 4 (in the upper half: the
+ * next round reserves nothing); frame 4's reclaim covers all 5. */
+static void test_reclaim_after_shrink(void) {
+    if ((SP_DEBUG < 1 && !TRACK_ASAN) || TRACK_VALGRIND) {
+        ok(1, "# SKIP the reclaim's fill (debug) and poisoning (ASan) are checked in those builds");
+        return;
+    }
+    sp_frame_arena *a = make(2, 2 * 8192, 1024, SP_FRAME_OVERFLOW_NULL);
+    for (int i = 0; i < 16; i++) memset(sp_frame_alloc(a, 256), 1, 256);
+    sp_frame_arena_advance(a, NULL);
+    sp_frame_arena_advance(a, NULL);
+    volatile uint8_t *p[20];
+    for (int i = 0; i < 20; i++) {
+        p[i] = sp_frame_alloc(a, 256);
+        memset((void *)p[i], 0x11, 256);
+    }
+    sp_frame_arena_advance(a, NULL);
+    sp_frame_arena_advance(a, NULL); /* frame 4: buffer 0 reclaimed */
+    int missed = 0;
+    for (int i = 0; i < 20; i++)
+#if TRACK_ASAN
+        missed += !__asan_address_is_poisoned((const void *)p[i]);
+#else
+        missed += p[i][0] != 0xFD || p[i][255] != 0xFD;
+#endif
+    ok(missed == 0,
+       "the reclaim covers every chunk of its frame after a close that reserved less (%d of 20 "
+       "blocks missed)",
+       missed);
+    sp_frame_arena_destroy(a);
+}
+
 /* Threads that come and go and claim more or fewer chunks from frame to frame, on 2 and 3
  * buffers, the closes mostly without the status: no two blocks of a frame ever overlap, and
  * every block lies in its frame's buffer. Runs under ThreadSanitizer (frame_tsan). */
@@ -1130,7 +1199,7 @@ static void test_close_unread_random(void) {
 }
 
 int main(void) {
-    plan(65);
+    plan(67);
     for (uint32_t n = 1; n <= 4; n++) test_lifetime(n);
     test_alignment();
     test_chunks();
@@ -1147,6 +1216,8 @@ int main(void) {
     test_churn();
     test_close_unread();
     test_close_unread_random();
+    test_close_after_overflow();
+    test_reclaim_after_shrink();
     test_misuse();
     test_debug_fill();
     test_migration();
