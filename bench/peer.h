@@ -1,5 +1,6 @@
 /* What the allocator areas (tlsf, tcache) share: which process malloc an executable measures
- * (built with -DBENCH_PEER_JEMALLOC, _TCMALLOC or _MIMALLOC, else glibc), harness memory from
+ * (built with -DBENCH_PEER_JEMALLOC, _TCMALLOC, _MIMALLOC or _SPINDLE_MALLOC, else glibc),
+ * harness memory from
  * the platform layer (never from the allocator under test), and the seeded generator. */
 #ifndef BENCH_PEER_H
 #define BENCH_PEER_H
@@ -22,6 +23,9 @@
 #elif defined(BENCH_PEER_MIMALLOC)
 #define PEER_NAME "mimalloc"
 #define PEER_LIB "libmimalloc"
+#elif defined(BENCH_PEER_SPINDLE_MALLOC)
+#define PEER_NAME "spindle-malloc" /* spindle's own drop-in, libspindle-malloc.so */
+#define PEER_LIB "libspindle-malloc"
 #else
 #define BENCH_PEER_GLIBC 1
 #define PEER_NAME "glibc"

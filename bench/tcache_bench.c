@@ -1,6 +1,8 @@
 /* The `tcache` benchmark area: the thread caches (sp_tcache_alloc/sp_tcache_free, inline)
  * against the process malloc (glibc, or a peer linked in as the process malloc: build with
- * -DBENCH_PEER_JEMALLOC, _TCMALLOC or _MIMALLOC). Names: tcache/CASE/WHO[/workers:N].
+ * -DBENCH_PEER_JEMALLOC, _TCMALLOC or _MIMALLOC; with -DBENCH_PEER_SPINDLE_MALLOC the peer is
+ * spindle's own drop-in, libspindle-malloc.so, called through malloc/free as a program calls
+ * it). Names: tcache/CASE/WHO[/workers:N].
  *
  *   local   each thread replays its own seeded stream of pairs (free the block in a random
  *           slot of a 64-slot working set, allocate 16..256 bytes into it, write a word) on
