@@ -72,7 +72,8 @@ typedef struct frame_buffer {
 
 /* One thread's claims in every buffer of an arena, on a line of its own: written by that
  * thread at its first claim of a frame and at each claim (atomically: status may read it
- * meanwhile), read by every close, which looks at the record of each thread that ever claimed.
+ * meanwhile), read by every close that reads the records (sp_frame_arena_advance), which looks
+ * at the record of each thread that ever claimed.
  * One line per thread, not one per thread and buffer: the close of a buffer a thread did not
  * claim in then reads a line that thread wrote in the frame before, not one untouched for a
  * round (which a large frame evicts: bench frame/reset after 1,000,000 allocations waited
@@ -504,14 +505,17 @@ uint64_t sp_frame_arena_advance(sp_frame_arena *a, sp_frame_buffer_status *close
      * still covers every chunk the next round may ask back (it keeps more only when a thread
      * claimed less or not at all: those chunks stay lost, to chunks and direct ranges alike,
      * until a close reads the records), and the frame's chunks are at most `counted`: with its
-     * direct part, at most the peak, which then stands. Such a close reads no thread's record
-     * unless the caller asks for the status or a request of the frame overflowed (lost chunks
-     * may be what it lacked): in a steady frame loop, no line another thread wrote in the frame
-     * (each record would cost a cache-line transfer from its thread and back; bench/README.md,
-     * "The close without the records"). */
-    size_t direct = a->capacity - word_hi(w);
+     * direct part, at most the peak, which then stands. Such a close keeps the reservation
+     * unless the caller asks for the status, a request of the frame overflowed (lost chunks may
+     * be what it lacked), the peak may have risen, or the reservation and the direct part take
+     * more than half the buffer (lost chunks would then crowd what is left): in a steady frame
+     * loop with room to spare, it reads no line another thread wrote in the frame (each record
+     * would cost a cache-line transfer from its thread and back; bench/README.md, "The close
+     * without the records"). */
+    size_t direct = a->capacity - word_hi(w), cs = a->chunk_size;
     if (closed || word_lo(w) != 0 || __atomic_load_n(&b->overflows, __ATOMIC_RELAXED) != 0 ||
-        (size_t)b->counted * a->chunk_size + direct > a->buf_peak[i]) {
+        (size_t)b->counted * cs + direct > a->buf_peak[i] ||
+        ((size_t)b->reserved * cs + direct) * 2 > a->capacity) {
         size_t top = 0, chunks = claims_count(a, i, a->marks, &top);
         sp_frame_buffer_status st;
         status_fill(a, i, chunks, &st);

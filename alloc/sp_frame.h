@@ -9,8 +9,8 @@
  * default) of the current buffer. Chunks are handed out from the bottom of the buffer: a thread
  * first gets back the chunks it had the last time the buffer came round (its first 8 claims of
  * that frame), in the same order, with no atomic operation and nothing shared written (each
- * thread lists its claims on a record of its own, which the closing frame reads to keep those
- * chunks for it), so in a steady frame loop each thread writes memory its own core wrote last
+ * thread lists its claims on a record of its own, from which a close keeps those chunks for
+ * it), so in a steady frame loop each thread writes memory its own core wrote last
  * (why: bench/README.md, "Sticky chunks"); otherwise it takes a fresh chunk, one atomic add: a
  * chunk that nobody asked to keep, or the next one up. A kept chunk whose thread does not come
  * back for it is lost for that frame (and for the buffer's later frames while their closes keep
@@ -169,12 +169,14 @@ void sp_frame_arena_destroy(sp_frame_arena *a);
  * the highest kept one, for fresh claims the next time round (O(threads + highest kept chunk / 64 +
  * those chunks)). A close with closed NULL skips that when no claim of the frame was fresh
  * (every thread that claimed got back chunks kept for it), no request of the frame overflowed,
- * and the frame cannot have raised the buffer's peak: the buffer keeps the reservation it had,
- * which still covers every chunk the next round may ask back, and the close touches no line
- * another thread wrote in the frame (in a steady frame loop, the usual case; bench/README.md,
- * "The close without the records"). The chunks kept for a thread that did not come back then
- * stay lost, to chunks and direct ranges alike, until a close reads the records (the first
- * fresh claim or overflow in the buffer, or a close asked for the status, brings one about).
+ * the frame cannot have raised the buffer's peak, and the reservation and the frame's direct
+ * part take at most half the buffer: the buffer keeps the reservation it had, which still covers
+ * every chunk the next round may ask back, and the close reads no claim record (in a steady
+ * frame loop with room to spare that does not ask for the status; the runtime's sp_frame_end
+ * asks; bench/README.md, "The close without the records"). The chunks kept for a thread that did
+ * not come back then stay lost, to chunks and direct ranges alike, until a close reads the
+ * records: a request they hold out overflows, with every request of that frame that needed the
+ * space, in one frame of the buffer, and that frame's close reads them.
  * Status and peak stay exact (sp_frame_buffer_status_get reads the records). The reclaim resets the
  * bump state and counts in O(1), frees the heap-fallback blocks of that buffer (O(their count)),
  * and in debug builds fills or poisons the used part (O(bytes used)). Fills *closed (if not NULL)

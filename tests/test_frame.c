@@ -1070,6 +1070,30 @@ static void test_close_after_overflow(void) {
        "makes the close read the records (%d of 19 frames failed)",
        failed);
     sp_frame_arena_destroy(a);
+
+    /* The same four chunks and a frame-2 direct range of 1 KiB: with the reservation (4 KiB)
+     * they take more than half the 8 KiB buffer, so frame 2's close reads the records (the
+     * peak, 6 KiB from frame 0, cannot have risen), and a new thread's fresh claim in frame 4
+     * takes chunk 1, which the helper left. */
+    a = make(2, 2 * 8192, 1024, SP_FRAME_OVERFLOW_NULL);
+    char *m0 = sp_frame_alloc(a, 16);
+    pthread_create(&t, NULL, claim_three, a);
+    pthread_join(t, NULL);
+    char *d0 = sp_frame_alloc(a, 2048); /* direct: peak 4 KiB + 2 KiB */
+    sp_frame_arena_advance(a, NULL);
+    sp_frame_arena_advance(a, NULL);
+    char *m2 = sp_frame_alloc(a, 16);
+    char *d2 = sp_frame_alloc(a, 1010); /* above the chunk's rest: direct, 1 KiB */
+    sp_frame_arena_advance(a, NULL);
+    sp_frame_arena_advance(a, NULL);
+    churn_arena = a;
+    churn_n = 1;
+    char *n4 = churn_alloc_on_new_thread();
+    ok(d0 && d2 && m2 == m0 && n4 == m0 + 1024,
+       "a reservation and direct part above half the buffer make the close read the records: "
+       "the departed thread's chunk is free the next round (%td)",
+       n4 - m0);
+    sp_frame_arena_destroy(a);
 }
 
 /* The reclaim fills (debug) or poisons (ASan) every chunk its frame used, also after a close
@@ -1199,7 +1223,7 @@ static void test_close_unread_random(void) {
 }
 
 int main(void) {
-    plan(67);
+    plan(68);
     for (uint32_t n = 1; n <= 4; n++) test_lifetime(n);
     test_alignment();
     test_chunks();
