@@ -3,6 +3,7 @@
  *   plan(n);  ok(cond, "what");  is_int(a, b, "what");  diag("fmt", ...);  return done();
  *   skip_all("reason")  prints "1..0 # SKIP reason" (meson 1.0 counts exit 77 as an error).
  *   skip("reason")      one planned test not run here: "ok N # SKIP reason".
+ *   skip_n(n, "reason") n of them.
  *
  * Diagnostics go to stdout as "# ..." lines. Not thread-safe: call ok() from one thread.
  */
@@ -59,6 +60,11 @@ static inline int ok_at(int cond, const char *file, int line, const char *fmt, .
 static inline void skip(const char *reason) {
     printf("ok %d # SKIP %s\n", ++tap_run, reason);
     fflush(stdout);
+}
+
+/* n planned tests not run here, for one reason. */
+static inline void skip_n(int n, const char *reason) {
+    while (n-- > 0) skip(reason);
 }
 
 static inline void skip_all(const char *reason) {

@@ -577,7 +577,7 @@ static void test_misuse(void) {
            "name (%d reports)",
            ts_logged.count);
     } else {
-        ok(1, "# SKIP a NULL arena on the fast paths: release build (undefined there)");
+        skip("a NULL arena on the fast paths: release build (undefined there)");
     }
     sp_frame_arena_destroy(a);
 
@@ -614,8 +614,8 @@ static void test_misuse(void) {
 /* Debug builds without a memory tool fill a reclaimed buffer's used part with 0xFD. */
 static void test_debug_fill(void) {
     if (SP_DEBUG < 1 || TRACK_ASAN || TRACK_VALGRIND) {
-        ok(1, "# SKIP the 0xFD fill is for debug builds without ASan/Valgrind");
-        ok(1, "# SKIP the 0xFD fill of direct blocks, likewise");
+        skip("the 0xFD fill is for debug builds without ASan/Valgrind");
+        skip("the 0xFD fill of direct blocks, likewise");
         return;
     }
     sp_frame_arena *a = make(2, 1u << 20, 4096, SP_FRAME_OVERFLOW_NULL);
@@ -937,27 +937,59 @@ static void test_churn(void) {
 
 /* ---- closes that do not read the records --------------------------------------------- */
 
-/* A thread that allocates 16 bytes from helper_arena on each call of helper_alloc. */
-static pthread_barrier_t helper_bar;
-static sp_frame_arena *helper_arena;
-static char *helper_got;
-static bool helper_quit;
+/* Threads that allocate on command: at each rand_frame, thread i makes rand_count[i] (0: it
+ * sits the frame out) allocations of RAND_SIZE bytes from rand_arena into rand_got[i], each
+ * filled with i + 1. */
+enum { RAND_THREADS = 4, RAND_FRAMES = 400, RAND_MAX_BLOCKS = 256, RAND_SIZE = 64 };
+static pthread_barrier_t rand_bar;
+static pthread_t rand_tids[RAND_THREADS];
+static sp_frame_arena *rand_arena;
+static uint32_t rand_count[RAND_THREADS];
+static char *rand_got[RAND_THREADS][RAND_MAX_BLOCKS];
+static bool rand_quit;
 
-static void *helper_thread(void *arg) {
-    (void)arg;
+static void *rand_thread(void *arg) {
+    int me = (int)(intptr_t)arg;
     for (;;) {
-        pthread_barrier_wait(&helper_bar);
-        if (helper_quit) return NULL;
-        helper_got = sp_frame_alloc(helper_arena, 16);
-        pthread_barrier_wait(&helper_bar);
+        pthread_barrier_wait(&rand_bar);
+        if (rand_quit) return NULL;
+        for (uint32_t i = 0; i < rand_count[me]; i++) {
+            char *p = sp_frame_alloc(rand_arena, RAND_SIZE);
+            if (p) memset(p, me + 1, RAND_SIZE);
+            rand_got[me][i] = p;
+        }
+        pthread_barrier_wait(&rand_bar);
     }
 }
 
-static char *helper_alloc(sp_frame_arena *a) {
-    helper_arena = a;
-    pthread_barrier_wait(&helper_bar);
-    pthread_barrier_wait(&helper_bar);
-    return helper_got;
+static void rand_start(void) {
+    memset(rand_count, 0, sizeof rand_count);
+    pthread_barrier_init(&rand_bar, NULL, RAND_THREADS + 1);
+    for (int i = 0; i < RAND_THREADS; i++)
+        pthread_create(&rand_tids[i], NULL, rand_thread, (void *)(intptr_t)i);
+}
+
+/* The threads' allocations of one frame, all done when this returns. */
+static void rand_frame(void) {
+    pthread_barrier_wait(&rand_bar);
+    pthread_barrier_wait(&rand_bar);
+}
+
+static void rand_stop(void) {
+    rand_quit = true;
+    pthread_barrier_wait(&rand_bar);
+    for (int i = 0; i < RAND_THREADS; i++) pthread_join(rand_tids[i], NULL);
+    pthread_barrier_destroy(&rand_bar);
+    rand_quit = false;
+}
+
+/* Thread 0's one allocation from a, the others sitting the frame out. */
+static char *rand_alloc_one(sp_frame_arena *a) {
+    rand_arena = a;
+    rand_count[0] = 1;
+    rand_frame();
+    rand_count[0] = 0;
+    return rand_got[0][0];
 }
 
 /* A close without a fresh claim and without a status asked for keeps the reservation it had:
@@ -967,35 +999,29 @@ static char *helper_alloc(sp_frame_arena *a) {
  * chunk in frame 6. With the status asked for at frame 2's close, the helper's chunk is free at
  * once. The status of a buffer so closed is exact all the same, and so is its peak. */
 static void test_close_unread(void) {
-    pthread_barrier_init(&helper_bar, NULL, 2);
-    pthread_t t;
-    pthread_create(&t, NULL, helper_thread, NULL);
+    rand_start();
     char *got[2][5];
     sp_frame_buffer_status st[2];
     for (int ask = 0; ask < 2; ask++) {
         sp_frame_arena *a = make(2, 1u << 20, 1024, SP_FRAME_OVERFLOW_NULL);
         sp_frame_buffer_status closed;
         got[ask][0] = sp_frame_alloc(a, 16); /* frame 0: chunk 0 */
-        got[ask][1] = helper_alloc(a);       /* chunk 1 */
+        got[ask][1] = rand_alloc_one(a);     /* chunk 1 */
         sp_frame_arena_advance(a, NULL);
         sp_frame_arena_advance(a, NULL);
         got[ask][2] = sp_frame_alloc(a, 16); /* frame 2: chunk 0 again */
         sp_frame_arena_advance(a, ask ? &closed : NULL);
         sp_frame_buffer_status_get(a, 0, &st[ask]);
         sp_frame_arena_advance(a, NULL);
-        got[ask][3] = helper_alloc(a); /* frame 4: the helper claims fresh */
+        got[ask][3] = rand_alloc_one(a); /* frame 4: the helper claims fresh */
         sp_frame_alloc(a, 16);
         sp_frame_arena_advance(a, NULL);
         sp_frame_arena_advance(a, NULL);
         churn_arena = a;
-        churn_n = 1;
         got[ask][4] = churn_alloc_on_new_thread(); /* frame 6: a new thread, fresh */
         sp_frame_arena_destroy(a);
     }
-    helper_quit = true;
-    pthread_barrier_wait(&helper_bar);
-    pthread_join(t, NULL);
-    pthread_barrier_destroy(&helper_bar);
+    rand_stop();
     ptrdiff_t off[2][4];
     for (int ask = 0; ask < 2; ask++)
         for (int k = 1; k < 5; k++) off[ask][k - 1] = got[ask][k] - got[ask][0];
@@ -1043,17 +1069,17 @@ static void test_close_unread(void) {
  * chunks 1-3 and goes; from frame 2 on the main thread takes chunk 0 back (no fresh claim) and
  * asks for 6,000 B, which fits above chunk 0 but not above chunk 3: it fails once, not in every
  * frame. */
-static void *claim_three(void *arg) {
-    for (int i = 0; i < 12; i++) sp_frame_alloc(arg, 256);
-    return NULL;
+static void claim_three(sp_frame_arena *a) { /* on a new thread: 3 chunks of 1 KiB */
+    churn_arena = a;
+    churn_n = 3 * 64;
+    churn_alloc_on_new_thread();
+    churn_n = 1;
 }
 
 static void test_close_after_overflow(void) {
     sp_frame_arena *a = make(2, 2 * 8192, 1024, SP_FRAME_OVERFLOW_NULL);
     sp_frame_alloc(a, 16);
-    pthread_t t;
-    pthread_create(&t, NULL, claim_three, a);
-    pthread_join(t, NULL);
+    claim_three(a);
     sp_frame_arena_advance(a, NULL);
     sp_frame_arena_advance(a, NULL);
     int failed = 0;
@@ -1077,8 +1103,7 @@ static void test_close_after_overflow(void) {
      * takes chunk 1, which the helper left. */
     a = make(2, 2 * 8192, 1024, SP_FRAME_OVERFLOW_NULL);
     char *m0 = sp_frame_alloc(a, 16);
-    pthread_create(&t, NULL, claim_three, a);
-    pthread_join(t, NULL);
+    claim_three(a);
     char *d0 = sp_frame_alloc(a, 2048); /* direct: peak 4 KiB + 2 KiB */
     sp_frame_arena_advance(a, NULL);
     sp_frame_arena_advance(a, NULL);
@@ -1087,7 +1112,6 @@ static void test_close_after_overflow(void) {
     sp_frame_arena_advance(a, NULL);
     sp_frame_arena_advance(a, NULL);
     churn_arena = a;
-    churn_n = 1;
     char *n4 = churn_alloc_on_new_thread();
     ok(d0 && d2 && m2 == m0 && n4 == m0 + 1024,
        "a reservation and direct part above half the buffer make the close read the records: "
@@ -1102,11 +1126,11 @@ static void test_close_after_overflow(void) {
  * next round reserves nothing); frame 4's reclaim covers all 5. */
 static void test_reclaim_after_shrink(void) {
     if ((SP_DEBUG < 1 && !TRACK_ASAN) || TRACK_VALGRIND) {
-        ok(1, "# SKIP the reclaim's fill (debug) and poisoning (ASan) are checked in those builds");
+        skip("the reclaim's fill (debug) and poisoning (ASan) are checked in those builds");
         return;
     }
     sp_frame_arena *a = make(2, 2 * 8192, 1024, SP_FRAME_OVERFLOW_NULL);
-    for (int i = 0; i < 16; i++) memset(sp_frame_alloc(a, 256), 1, 256);
+    for (int i = 0; i < 16; i++) sp_frame_alloc(a, 256);
     sp_frame_arena_advance(a, NULL);
     sp_frame_arena_advance(a, NULL);
     volatile uint8_t *p[20];
@@ -1121,7 +1145,7 @@ static void test_reclaim_after_shrink(void) {
 #if TRACK_ASAN
         missed += !__asan_address_is_poisoned((const void *)p[i]);
 #else
-        missed += p[i][0] != 0xFD || p[i][255] != 0xFD;
+        missed += !ts_filled((const uint8_t *)p[i], 256, 0xFD);
 #endif
     ok(missed == 0,
        "the reclaim covers every chunk of its frame after a close that reserved less (%d of 20 "
@@ -1133,43 +1157,9 @@ static void test_reclaim_after_shrink(void) {
 /* Threads that come and go and claim more or fewer chunks from frame to frame, on 2 and 3
  * buffers, the closes mostly without the status: no two blocks of a frame ever overlap, and
  * every block lies in its frame's buffer. Runs under ThreadSanitizer (frame_tsan). */
-enum { RAND_THREADS = 4, RAND_FRAMES = 400, RAND_MAX_BLOCKS = 256 };
-static pthread_barrier_t rand_bar;
-static sp_frame_arena *rand_arena;
-static uint32_t rand_count[RAND_THREADS]; /* blocks this frame (0: the thread sits it out) */
-static uint32_t rand_size[RAND_THREADS];
-static char *rand_got[RAND_THREADS][RAND_MAX_BLOCKS];
-static bool rand_quit;
-
-static void *rand_thread(void *arg) {
-    int me = (int)(intptr_t)arg;
-    for (;;) {
-        pthread_barrier_wait(&rand_bar);
-        if (rand_quit) return NULL;
-        for (uint32_t i = 0; i < rand_count[me]; i++) {
-            char *p = sp_frame_alloc(rand_arena, rand_size[me]);
-            if (p) memset(p, me + 1, rand_size[me]);
-            rand_got[me][i] = p;
-        }
-        pthread_barrier_wait(&rand_bar);
-    }
-}
-
-typedef struct rand_block {
-    uintptr_t p, n;
-} rand_block;
-
-static int rand_block_cmp(const void *x, const void *y) {
-    const rand_block *a = x, *b = y;
-    return a->p < b->p ? -1 : a->p > b->p;
-}
-
 static void test_close_unread_random(void) {
-    pthread_barrier_init(&rand_bar, NULL, RAND_THREADS + 1);
-    pthread_t t[RAND_THREADS];
-    for (int i = 0; i < RAND_THREADS; i++)
-        pthread_create(&t[i], NULL, rand_thread, (void *)(intptr_t)i);
-    static rand_block blocks[RAND_THREADS * RAND_MAX_BLOCKS];
+    rand_start();
+    static ts_span blocks[RAND_THREADS * RAND_MAX_BLOCKS];
     ts_rng rng;
     ts_rng_seed(&rng, 0xc105e);
     int overlaps = 0, misplaced = 0, missing = 0, damaged = 0;
@@ -1187,11 +1177,9 @@ static void test_close_unread_random(void) {
                                   : k < 14 ? (uint32_t)ts_rng_range(&rng, 1, 4)
                                            : 0;
                 if (k == 12) usual[i] = chunks;
-                rand_size[i] = 64;
                 rand_count[i] = chunks * 16 - (uint32_t)ts_rng_range(&rng, 0, 8) * (chunks > 0);
             }
-            pthread_barrier_wait(&rand_bar);
-            pthread_barrier_wait(&rand_bar);
+            rand_frame();
             size_t n = 0;
             for (int i = 0; i < RAND_THREADS; i++)
                 for (uint32_t j = 0; j < rand_count[i]; j++) {
@@ -1201,21 +1189,16 @@ static void test_close_unread_random(void) {
                         continue;
                     }
                     misplaced += sp_frame_arena_buffer_of(rand_arena, p) != (int)(f % nbuf);
-                    damaged += !ts_filled((const uint8_t *)p, rand_size[i], (uint8_t)(i + 1));
-                    blocks[n++] = (rand_block){(uintptr_t)p, rand_size[i]};
+                    damaged += !ts_filled((const uint8_t *)p, RAND_SIZE, (uint8_t)(i + 1));
+                    blocks[n++] = (ts_span){(uintptr_t)p, RAND_SIZE};
                 }
-            qsort(blocks, n, sizeof blocks[0], rand_block_cmp);
-            for (size_t j = 1; j < n; j++)
-                overlaps += blocks[j - 1].p + blocks[j - 1].n > blocks[j].p;
+            overlaps += ts_overlaps(blocks, n);
             sp_frame_buffer_status closed;
             sp_frame_arena_advance(rand_arena, ts_rng_range(&rng, 0, 7) == 0 ? &closed : NULL);
         }
         sp_frame_arena_destroy(rand_arena);
     }
-    rand_quit = true;
-    pthread_barrier_wait(&rand_bar);
-    for (int i = 0; i < RAND_THREADS; i++) pthread_join(t[i], NULL);
-    pthread_barrier_destroy(&rand_bar);
+    rand_stop();
     ok(overlaps == 0 && misplaced == 0 && missing == 0 && damaged == 0,
        "%d threads, %d frames on 2 and 3 buffers, claims changing from frame to frame: no "
        "overlap (%d), none outside its buffer (%d), none refused (%d), none damaged (%d)",

@@ -147,7 +147,7 @@ int main(int argc, char **argv) {
         ok(1, "# SKIP control: built without ASan or -Dvalgrind=true");
     }
     if (SP_DEBUG < 1) {
-        for (int i = 0; i < 3; i++) ok(1, "# SKIP fatal misuse: SP_DEBUG 0");
+        skip_n(3, "fatal misuse: SP_DEBUG 0");
         return done();
     }
     sp_frame_arena *a = arena(2, SP_FRAME_OVERFLOW_NULL, 0);

@@ -72,18 +72,13 @@ static void alloc_job(void *arg) {
     }
 }
 
-static int block_cmp(const void *x, const void *y) {
-    const block *a = x, *b = y;
-    return a->p < b->p ? -1 : a->p > b->p;
-}
-
 typedef struct run_result {
     int overlaps, damaged, misplaced, bad_counts;
     uint64_t heap_blocks, refused, blocks;
 } run_result;
 
 static void check_frame(sp_frame_arena *a, uint64_t f, run_result *out) {
-    static block all[JOBS * MAX_ALLOCS];
+    static ts_span all[JOBS * MAX_ALLOCS];
     size_t n = 0;
     uint64_t heap = 0, refused = 0;
     for (uint32_t j = 0; j < JOBS; j++) {
@@ -98,11 +93,10 @@ static void check_frame(sp_frame_arena *a, uint64_t f, run_result *out) {
                 continue;
             }
             out->misplaced += sp_frame_arena_buffer_of(a, b->p) != (int)(f % 2);
-            all[n++] = *b;
+            all[n++] = (ts_span){(uintptr_t)b->p, b->n};
         }
     }
-    qsort(all, n, sizeof all[0], block_cmp);
-    for (size_t i = 1; i < n; i++) out->overlaps += all[i - 1].p + all[i - 1].n > all[i].p;
+    out->overlaps += ts_overlaps(all, n);
     sp_frame_buffer_status st;
     sp_frame_buffer_status_get(a, (uint32_t)(f % 2), &st);
     /* Every overflow was either served by the heap or refused; nothing else overflows. */

@@ -1045,16 +1045,6 @@ static void work_allocates(void *user, uint64_t budget) {
     work_handle = sp_handle_alloc(sp_handles(), 2000, 0);
 }
 
-/* What one frame, what the program did between frames and what a between-frames work
- * allocated, in heap / handle / persistent bytes. */
-typedef struct flows_seen {
-    size_t heap, handle, persistent;
-} flows_seen;
-
-static flows_seen flows_of(const sp_frame_stats *st) {
-    return (flows_seen){st->heap_allocated, st->handle_allocated, st->persistent_allocated};
-}
-
 /* The frame record counts jobs run, retires and bytes allocated from the end of the last
  * sp_frame_end: a frame's own, and those made between frames (and by the next frame end's
  * between-frames work), in the next frame (none lost, none counted twice). */
@@ -1089,15 +1079,16 @@ static void test_frame_stats_counts(void) {
     sp_frame_begin();
     sp_frame_end();
     sp_frame_stats_last(&c);
-    flows_seen fa = flows_of(&a), fb = flows_of(&b), fc = flows_of(&c);
-    ok(fa.heap == 100 && fa.handle == 200 && fa.persistent == 48 && fb.heap == 10 + 1000 &&
-           fb.handle == 20 + 2000 && fb.persistent == 16 && fc.heap == 0 && fc.handle == 0 &&
-           fc.persistent == 0,
+    ok(a.heap_allocated == 100 && a.handle_allocated == 200 && a.persistent_allocated == 48 &&
+           b.heap_allocated == 10 + 1000 && b.handle_allocated == 20 + 2000 &&
+           b.persistent_allocated == 16 && c.heap_allocated == 0 && c.handle_allocated == 0 &&
+           c.persistent_allocated == 0,
        "bytes allocated (heap / handle / persistent): 100 / 200 / 48 in a frame; 10 / 20 / 16 "
        "between frames and 1,000 / 2,000 / 0 from the next frame end's between-frames work, "
        "counted in the next; then none (got %zu / %zu / %zu, %zu / %zu / %zu, %zu / %zu / %zu)",
-       fa.heap, fa.handle, fa.persistent, fb.heap, fb.handle, fb.persistent, fc.heap, fc.handle,
-       fc.persistent);
+       a.heap_allocated, a.handle_allocated, a.persistent_allocated, b.heap_allocated,
+       b.handle_allocated, b.persistent_allocated, c.heap_allocated, c.handle_allocated,
+       c.persistent_allocated);
     for (int i = 0; i < 2; i++) {
         sp_tcache_free(blocks[i]);
         sp_handle_free(sp_handles(), handles[i]);

@@ -12,6 +12,10 @@
 
 enum { JOBS = 4, PER_JOB = 8, LIVE = 3, BURST = 1500 }; /* handle objects live LIVE frames */
 
+/* The allocators a frame's bytes are asked of: the thread caches, the handle heap, the
+ * persistent region. */
+enum { ASK_HEAP, ASK_HANDLE, ASK_PERSISTENT, ASKED };
+
 typedef struct lane {
     ts_rng rng;
     uint8_t *arena_prev[PER_JOB]; /* last frame's arena blocks (still valid this frame) */
@@ -21,7 +25,7 @@ typedef struct lane {
     sp_handle handles[LIVE][PER_JOB];
     sp_handle burst[BURST];
     uint64_t frame;
-    size_t asked[3]; /* this frame's bytes asked of the thread caches, handle heap, region */
+    size_t asked[ASKED]; /* this frame's bytes asked of each allocator */
     int bad;
 } lane;
 
@@ -42,14 +46,14 @@ static void lane_job(void *arg) {
         if (p) {
             memset(p, 0x5A, 64);
             atomic_fetch_add(&persistent, 64);
-            l->asked[2] += 64;
+            l->asked[ASK_PERSISTENT] += 64;
         } else {
             l->bad++;
         }
     }
     if (f % 2500 == 1) {
         for (int i = 0; i < BURST; i++) l->burst[i] = sp_handle_alloc(hh, 24, 16);
-        l->asked[1] += 24 * BURST;
+        l->asked[ASK_HANDLE] += 24 * BURST;
         for (int i = 0; i < BURST; i++) l->bad += sp_handle_free(hh, l->burst[i]) != SP_OK;
     }
     for (int k = 0; k < PER_JOB; k++) {
@@ -75,7 +79,7 @@ static void lane_job(void *arg) {
             ts_rng_range(&l->rng, 0, 15) == 0 ? 40000 : (size_t)ts_rng_range(&l->rng, 16, 512);
         l->heap[k] = sp_tcache_alloc(m);
         l->heap_size[k] = m;
-        l->asked[0] += m;
+        l->asked[ASK_HEAP] += m;
         if (l->heap[k])
             memset(l->heap[k], pattern(f, li, k), m);
         else
@@ -93,7 +97,7 @@ static void lane_job(void *arg) {
         }
         size_t hs = (size_t)ts_rng_range(&l->rng, 16, 4096);
         *slot = sp_handle_alloc(hh, hs, 16);
-        l->asked[1] += hs;
+        l->asked[ASK_HANDLE] += hs;
         uint8_t *hp = sp_handle_resolve(hh, *slot);
         if (hp)
             memset(hp, pattern(f, li, k), hs);
@@ -143,11 +147,12 @@ int main(void) {
             sp_frame_stats st;
             sp_frame_stats_last(&st);
             if (f == 0) first = st;
-            size_t asked[3] = {0};
+            size_t asked[ASKED] = {0};
             for (int i = 0; i < JOBS; i++)
-                for (int k = 0; k < 3; k++) asked[k] += lanes[i].asked[k];
-            flows_off += st.heap_allocated != asked[0] || st.handle_allocated != asked[1] ||
-                         st.persistent_allocated != asked[2];
+                for (int k = 0; k < ASKED; k++) asked[k] += lanes[i].asked[k];
+            flows_off += st.heap_allocated != asked[ASK_HEAP] ||
+                         st.handle_allocated != asked[ASK_HANDLE] ||
+                         st.persistent_allocated != asked[ASK_PERSISTENT];
             moved += st.handle_moved;
             retired += st.retired;
             overflows += st.arena_overflows;

@@ -80,7 +80,8 @@ static char stops[256];
 static _Atomic size_t reservation; /* bytes of the runtime's reservation (sp_status) */
 
 static void stop_seen(const char *who) {
-    if (!pthread_equal(pthread_self(), main_thread) || strlen(stops) + strlen(who) + 2 > 256)
+    if (!pthread_equal(pthread_self(), main_thread) ||
+        strlen(stops) + strlen(who) + 2 > sizeof stops)
         return;
     if (stops[0]) strcat(stops, ",");
     strcat(stops, who);
@@ -169,9 +170,10 @@ static int thread_count(void) {
  * starting then: as k grows, the failing subsystem never goes back in this order. */
 static const char *const start_order[] = {"platform",     "central heap", "thread caches",
                                           "frame arenas", "handle heap",  "jobs"};
+enum { STARTS = sizeof start_order / sizeof start_order[0] };
 
 static int order_of(const char *who) {
-    for (int i = 0; i < (int)(sizeof start_order / sizeof start_order[0]); i++)
+    for (int i = 0; i < STARTS; i++)
         if (who && !strcmp(who, start_order[i])) return i;
     return -1;
 }
@@ -248,8 +250,8 @@ int main(void) {
     atomic_store(&reservation, rs.reserved);
     stops[0] = 0;
     sp_shutdown();
-    ok(stopped_in_reverse(6, NULL), "sp_shutdown stops the subsystems in reverse start order (%s)",
-       stops);
+    ok(stopped_in_reverse(STARTS, NULL),
+       "sp_shutdown stops the subsystems in reverse start order (%s)", stops);
     is_int(atomic_load(&mapped), mapped0, "a clean init + shutdown unmaps everything it mapped");
 
     ts_log_capture();

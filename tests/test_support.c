@@ -388,3 +388,19 @@ void ts_cpu_read(ts_cpu *r) {
     r->count = sched_getaffinity(0, sizeof r->mask, &r->mask) == 0 ? CPU_COUNT(&r->mask) : -1;
     r->cpu = sched_getcpu();
 }
+
+static int span_cmp(const void *x, const void *y) {
+    const ts_span *a = x, *b = y;
+    return a->p < b->p ? -1 : a->p > b->p;
+}
+
+int ts_overlaps(ts_span *s, size_t n) {
+    qsort(s, n, sizeof s[0], span_cmp);
+    int overlaps = 0;
+    for (size_t i = 1; i < n; i++) overlaps += s[i - 1].p + s[i - 1].n > s[i].p;
+    return overlaps;
+}
+
+bool ts_cpu_only(const ts_cpu *r, int cpu) {
+    return r->count == 1 && CPU_ISSET(cpu, &r->mask) && r->cpu == cpu;
+}

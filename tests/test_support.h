@@ -114,6 +114,14 @@ sp_desc ts_small_desc(uint32_t workers, size_t handle_mib);
  * first[spans] the number taken, which is returned (at most max). */
 int ts_fill_spans(size_t size, void **b, int max, int spans, int *first);
 
+/* A range of memory; ts_overlaps sorts n of them by address and counts the neighbours that
+ * overlap (0: no two share a byte). */
+typedef struct ts_span {
+    uintptr_t p;
+    size_t n;
+} ts_span;
+int ts_overlaps(ts_span *s, size_t n);
+
 /* Where the calling thread runs: its CPU (sched_getcpu) and affinity mask, count its CPUs
  * (-1 when the mask does not fit a cpu_set_t). */
 typedef struct ts_cpu {
@@ -121,6 +129,15 @@ typedef struct ts_cpu {
     cpu_set_t mask;
 } ts_cpu;
 void ts_cpu_read(ts_cpu *r);
+/* Whether r ran on cpu with a mask of that CPU alone. */
+bool ts_cpu_only(const ts_cpu *r, int cpu);
+/* ts_cpu_read(r); false, with `tests` planned tests skipped, when the mask does not fit. */
+static inline bool ts_cpu_read_or_skip(ts_cpu *r, int tests) {
+    ts_cpu_read(r);
+    if (r->count >= 0) return true;
+    skip_n(tests, "the affinity mask does not fit a cpu_set_t");
+    return false;
+}
 
 /* Job migration harness: rounds of TS_PAIRS waiting jobs on scheduler s. Each round submits
  * waiter(ts_pair *) jobs, which do their work, sp_counter_wait(pair->go, 0) (the fiber parks and

@@ -102,7 +102,7 @@ static void sweep(int threads, int iterations) {
     w.allocated_seen = allocated0;
     atomic_store(&w.running, threads);
     for (int i = 0; i < threads; i++) {
-        wk[i] = (worker){&w, 0x1234u + (uint64_t)i * 77 + (uint64_t)threads, 0, 0};
+        wk[i] = (worker){.w = &w, .seed = 0x1234u + (uint64_t)i * 77 + (uint64_t)threads};
         if (sp_thread_start(&t[i], worker_run, &wk[i], "sp-stress") == SP_OK) started++;
     }
     sp_thread reader;
