@@ -508,14 +508,15 @@ uint64_t sp_frame_arena_advance(sp_frame_arena *a, sp_frame_buffer_status *close
      * direct part, at most the peak, which then stands. Such a close keeps the reservation
      * unless the caller asks for the status, a request of the frame overflowed (lost chunks may
      * be what it lacked), the peak may have risen, or the reservation and the direct part take
-     * more than half the buffer (lost chunks would then crowd what is left): in a steady frame
-     * loop with room to spare, it reads no line another thread wrote in the frame (each record
-     * would cost a cache-line transfer from its thread and back; bench/README.md, "The close
-     * without the records"). */
+     * more than a quarter of the buffer (lost chunks, at most the reservation, would then crowd
+     * what is left; with half, small full buffers refused a fifth to a third more requests than
+     * a close that always reads: bench/README.md). In a steady frame loop with room to spare,
+     * it reads no line another thread wrote in the frame (each record would cost a cache-line
+     * transfer from its thread and back; bench/README.md, "The close without the records"). */
     size_t direct = a->capacity - word_hi(w), cs = a->chunk_size;
     if (closed || word_lo(w) != 0 || __atomic_load_n(&b->overflows, __ATOMIC_RELAXED) != 0 ||
         (size_t)b->counted * cs + direct > a->buf_peak[i] ||
-        ((size_t)b->reserved * cs + direct) * 2 > a->capacity) {
+        ((size_t)b->reserved * cs + direct) * 4 > a->capacity) {
         size_t top = 0, chunks = claims_count(a, i, a->marks, &top);
         sp_frame_buffer_status st;
         status_fill(a, i, chunks, &st);

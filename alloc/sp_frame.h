@@ -170,8 +170,8 @@ void sp_frame_arena_destroy(sp_frame_arena *a);
  * those chunks)). A close with closed NULL skips that when no claim of the frame was fresh
  * (every thread that claimed got back chunks kept for it), no request of the frame overflowed,
  * the frame cannot have raised the buffer's peak, and the reservation and the frame's direct
- * part take at most half the buffer: the buffer keeps the reservation it had, which still covers
- * every chunk the next round may ask back, and the close reads no claim record (in a steady
+ * part take at most a quarter of the buffer: the buffer keeps the reservation it had, which still
+ * covers every chunk the next round may ask back, and the close reads no claim record (in a steady
  * frame loop with room to spare that does not ask for the status; the runtime's sp_frame_end
  * asks; bench/README.md, "The close without the records"). The chunks kept for a thread that did
  * not come back then stay lost, to chunks and direct ranges alike, until a close reads the

@@ -1098,10 +1098,10 @@ static void test_close_after_overflow(void) {
     sp_frame_arena_destroy(a);
 
     /* The same four chunks and a frame-2 direct range of 1 KiB: with the reservation (4 KiB)
-     * they take more than half the 8 KiB buffer, so frame 2's close reads the records (the
-     * peak, 6 KiB from frame 0, cannot have risen), and a new thread's fresh claim in frame 4
-     * takes chunk 1, which the helper left. */
-    a = make(2, 2 * 8192, 1024, SP_FRAME_OVERFLOW_NULL);
+     * they take more than a quarter of a 16 KiB buffer (not half), so frame 2's close reads the
+     * records (the peak, 6 KiB from frame 0, cannot have risen), and a new thread's fresh claim
+     * in frame 4 takes chunk 1, which the helper left. */
+    a = make(2, 2 * 16384, 1024, SP_FRAME_OVERFLOW_NULL);
     char *m0 = sp_frame_alloc(a, 16);
     claim_three(a);
     char *d0 = sp_frame_alloc(a, 2048); /* direct: peak 4 KiB + 2 KiB */
@@ -1114,8 +1114,8 @@ static void test_close_after_overflow(void) {
     churn_arena = a;
     char *n4 = churn_alloc_on_new_thread();
     ok(d0 && d2 && m2 == m0 && n4 == m0 + 1024,
-       "a reservation and direct part above half the buffer make the close read the records: "
-       "the departed thread's chunk is free the next round (%td)",
+       "a reservation and direct part above a quarter of the buffer make the close read the "
+       "records: the departed thread's chunk is free the next round (%td)",
        n4 - m0);
     sp_frame_arena_destroy(a);
 }
