@@ -19,7 +19,6 @@ int main(void) {
         for (size_t k = 0; k < len; k++) buf[k] = (uint8_t)ts_rng_next(&r);
         LLVMFuzzerTestOneInput(buf, len); /* aborts on any violation */
     }
-    ok(1, "%llu seeded inputs replayed with the heap checked after every operation",
-       (unsigned long long)inputs);
+    ok(1, "%llu seeded inputs replayed through the target's checks", (unsigned long long)inputs);
     return done();
 }

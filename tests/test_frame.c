@@ -1067,8 +1067,9 @@ static void test_close_unread(void) {
 /* A request that overflowed because chunks kept for a thread that did not come back held the
  * space makes its close read the records: the main thread claims chunk 0 in frame 0, a helper
  * chunks 1-3 and goes; from frame 2 on the main thread takes chunk 0 back (no fresh claim) and
- * asks for 6,000 B, which fits above chunk 0 but not above chunk 3: it fails once, not in every
- * frame. */
+ * asks for 29,000 B, which fits above chunk 0 but not above chunk 3 of a 32 KiB buffer (where the
+ * reservation is an eighth: the quarter rule leaves the close to the overflow): it fails once,
+ * not in every frame. */
 static void claim_three(sp_frame_arena *a) { /* on a new thread: 3 chunks of 1 KiB */
     churn_arena = a;
     churn_n = 3 * 64;
@@ -1077,7 +1078,7 @@ static void claim_three(sp_frame_arena *a) { /* on a new thread: 3 chunks of 1 K
 }
 
 static void test_close_after_overflow(void) {
-    sp_frame_arena *a = make(2, 2 * 8192, 1024, SP_FRAME_OVERFLOW_NULL);
+    sp_frame_arena *a = make(2, 2 * 32768, 1024, SP_FRAME_OVERFLOW_NULL);
     sp_frame_alloc(a, 16);
     claim_three(a);
     sp_frame_arena_advance(a, NULL);
@@ -1086,7 +1087,7 @@ static void test_close_after_overflow(void) {
     ts_log_capture();
     for (int f = 2; f < 40; f += 2) {
         sp_frame_alloc(a, 16);
-        failed += sp_frame_alloc(a, 6000) == NULL;
+        failed += sp_frame_alloc(a, 29000) == NULL;
         sp_frame_arena_advance(a, NULL);
         sp_frame_arena_advance(a, NULL);
     }
@@ -1100,24 +1101,30 @@ static void test_close_after_overflow(void) {
     /* The same four chunks and a frame-2 direct range of 1 KiB: with the reservation (4 KiB)
      * they take more than a quarter of a 16 KiB buffer (not half), so frame 2's close reads the
      * records (the peak, 6 KiB from frame 0, cannot have risen), and a new thread's fresh claim
-     * in frame 4 takes chunk 1, which the helper left. */
-    a = make(2, 2 * 16384, 1024, SP_FRAME_OVERFLOW_NULL);
-    char *m0 = sp_frame_alloc(a, 16);
-    claim_three(a);
-    char *d0 = sp_frame_alloc(a, 2048); /* direct: peak 4 KiB + 2 KiB */
-    sp_frame_arena_advance(a, NULL);
-    sp_frame_arena_advance(a, NULL);
-    char *m2 = sp_frame_alloc(a, 16);
-    char *d2 = sp_frame_alloc(a, 1010); /* above the chunk's rest: direct, 1 KiB */
-    sp_frame_arena_advance(a, NULL);
-    sp_frame_arena_advance(a, NULL);
-    churn_arena = a;
-    char *n4 = churn_alloc_on_new_thread();
-    ok(d0 && d2 && m2 == m0 && n4 == m0 + 1024,
-       "a reservation and direct part above a quarter of the buffer make the close read the "
-       "records: the departed thread's chunk is free the next round (%td)",
-       n4 - m0);
-    sp_frame_arena_destroy(a);
+     * in frame 4 takes chunk 1, which the helper left. In a 32 KiB buffer they take less than a
+     * quarter: the close keeps the reservation, the helper's chunks stay kept, and the new
+     * thread's claim goes above them, to chunk 4. */
+    for (int big = 0; big <= 1; big++) {
+        a = make(2, 2 * (big ? 32768 : 16384), 1024, SP_FRAME_OVERFLOW_NULL);
+        char *m0 = sp_frame_alloc(a, 16);
+        claim_three(a);
+        char *d0 = sp_frame_alloc(a, 2048); /* direct: peak 4 KiB + 2 KiB */
+        sp_frame_arena_advance(a, NULL);
+        sp_frame_arena_advance(a, NULL);
+        char *m2 = sp_frame_alloc(a, 16);
+        char *d2 = sp_frame_alloc(a, 1010); /* above the chunk's rest: direct, 1 KiB */
+        sp_frame_arena_advance(a, NULL);
+        sp_frame_arena_advance(a, NULL);
+        churn_arena = a;
+        char *n4 = churn_alloc_on_new_thread();
+        ok(d0 && d2 && m2 == m0 && n4 == m0 + (big ? 4096 : 1024),
+           big ? "a reservation and direct part below a quarter of the buffer leave the close to "
+                 "keep the reservation: the departed thread's chunks stay kept the next round (%td)"
+               : "a reservation and direct part above a quarter of the buffer make the close read "
+                 "the records: the departed thread's chunk is free the next round (%td)",
+           n4 - m0);
+        sp_frame_arena_destroy(a);
+    }
 }
 
 /* The reclaim fills (debug) or poisons (ASan) every chunk its frame used, also after a close
@@ -1206,7 +1213,7 @@ static void test_close_unread_random(void) {
 }
 
 int main(void) {
-    plan(68);
+    plan(69);
     for (uint32_t n = 1; n <= 4; n++) test_lifetime(n);
     test_alignment();
     test_chunks();
