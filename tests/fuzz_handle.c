@@ -82,8 +82,9 @@ static struct {
     void (*pending_free[PENDING])(void *);
     /* compaction */
     bool compacting, quiet;
-    uint32_t rng, cb_calls, cb_moves, cb_pins, cb_unpins;
+    uint32_t cb_calls, cb_moves, cb_pins, cb_unpins;
     uint64_t cb_bytes;
+    ts_rng rng;        /* the callbacks' choices, seeded per compaction call */
     bool caught_quiet; /* the last compaction caught up, and nothing since may open a hole */
 } fz;
 
@@ -99,13 +100,6 @@ static uint32_t gen_of(uint32_t id) {
 static size_t need_of(size_t n) {
     size_t r = 16 + ((n + 15) & ~(size_t)15);
     return r < 32 ? 32 : r;
-}
-static uint32_t rng_next(void) {
-    uint32_t x = fz.rng;
-    x ^= x << 13;
-    x ^= x >> 17;
-    x ^= x << 5;
-    return fz.rng = x;
 }
 
 static void model_reserve(uint32_t n) {
@@ -335,7 +329,7 @@ static void relocate(void *user, sp_handle h, void *new_ptr, void *old_ptr) {
     fz.cb_moves++;
     fz.cb_bytes += f->len;
     if (fz.quiet || fz.cb_calls++ >= CB_ACTIVE) return;
-    uint32_t r = rng_next();
+    uint32_t r = (uint32_t)ts_rng_next(&fz.rng);
     switch (r % 8) {
     case 0: /* pin the block that just moved: it must not move again this call */
         pin_live(f);
@@ -568,7 +562,7 @@ static bool compact_checked(uint64_t budget, bool use_out, bool refuse, uint32_t
     }
     fz.compacting = true;
     fz.quiet = quiet;
-    fz.rng = seed * 2654435761u | 1;
+    ts_rng_seed(&fz.rng, seed);
     fz.cb_calls = fz.cb_moves = fz.cb_pins = fz.cb_unpins = 0;
     fz.cb_bytes = 0;
     sp_handle_compact_stats cs;
